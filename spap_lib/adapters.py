@@ -1,0 +1,193 @@
+"""Architecture adapters: the only place that knows where an MLP lives in a model.
+
+An adapter turns a decoder layer's MLP into an ``MLP`` (plain tensors + the activation) that the
+methods work on, and writes a pruned ``MLP`` back by physically replacing the Linear modules.
+Adding an architecture means adding one small class and listing its ``model_type`` values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MLP:
+    """One MLP block as tensors.
+
+    ``W_in`` holds the input projections, each ``[n, d]`` (OPT: ``[fc1]``; GLU: ``[gate, up]``),
+    ``W_out`` is the output projection ``[d, n]`` (OPT ``fc2``, GLU ``down_proj``). Channel ``j`` is
+    row ``j`` of every input projection and column ``j`` of the output projection.
+    """
+
+    W_in: list[torch.Tensor]
+    b_in: list[torch.Tensor | None]
+    W_out: torch.Tensor
+    b_out: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+    glu: bool
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def width(self) -> int:
+        return self.W_out.shape[1]
+
+    def hidden(self, X: torch.Tensor) -> torch.Tensor:
+        """Intermediate activations Z (the output projection's input) for MLP inputs X [N, d]."""
+        pre = [nn.functional.linear(X, W, b) for W, b in zip(self.W_in, self.b_in)]
+        return self.act(pre[0]) * pre[1] if self.glu else self.act(pre[0])
+
+    def __call__(self, X: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(self.hidden(X), self.W_out, self.b_out)
+
+    def select(self, keep: torch.Tensor) -> "MLP":
+        """The MLP restricted to channels ``keep`` (weights copied, nothing refitted)."""
+        return MLP(
+            W_in=[W.detach()[keep].clone() for W in self.W_in],
+            b_in=[None if b is None else b.detach()[keep].clone() for b in self.b_in],
+            W_out=self.W_out.detach()[:, keep].clone(),
+            b_out=None if self.b_out is None else self.b_out.detach().clone(),
+            act=self.act,
+            glu=self.glu,
+        )
+
+    def clone(self) -> "MLP":
+        return self.select(torch.arange(self.width, device=self.W_out.device))
+
+
+def _new_linear(W: torch.Tensor, b: torch.Tensor | None, like: nn.Linear) -> nn.Linear:
+    lin = nn.Linear(W.shape[1], W.shape[0], bias=b is not None, device=W.device, dtype=like.weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(W)
+        if b is not None:
+            lin.bias.copy_(b)
+    return lin
+
+
+class Adapter:
+    """Base class. Subclasses name the modules; shrinking and accounting are shared."""
+
+    model_types: tuple[str, ...] = ()
+    width_field: str = "intermediate_size"  # config field holding the MLP width
+    in_names: tuple[str, ...] = ()
+    out_name: str = ""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    # -- where things are -------------------------------------------------------------------
+    def layers(self) -> nn.ModuleList:
+        raise NotImplementedError
+
+    def mlp_owner(self, layer: nn.Module) -> nn.Module:
+        """The module that holds the MLP's Linear layers as attributes."""
+        raise NotImplementedError
+
+    def mlp_input_module(self, layer: nn.Module) -> nn.Module:
+        """A module whose first positional input is the MLP input X (after the norm)."""
+        return getattr(self.mlp_owner(layer), self.in_names[0])
+
+    def activation(self, layer: nn.Module) -> Callable:
+        raise NotImplementedError
+
+    # -- tensors in and out -----------------------------------------------------------------
+    def get_mlp(self, layer: nn.Module) -> MLP:
+        owner = self.mlp_owner(layer)
+        ins = [getattr(owner, n) for n in self.in_names]
+        out = getattr(owner, self.out_name)
+        return MLP(
+            W_in=[m.weight.detach().float().clone() for m in ins],
+            b_in=[None if m.bias is None else m.bias.detach().float().clone() for m in ins],
+            W_out=out.weight.detach().float().clone(),
+            b_out=None if out.bias is None else out.bias.detach().float().clone(),
+            act=self.activation(layer),
+            glu=len(self.in_names) == 2,
+        )
+
+    def set_mlp(self, layer: nn.Module, mlp: MLP) -> None:
+        """Replace the layer's Linear modules by ones of the (possibly smaller) width of ``mlp``."""
+        owner = self.mlp_owner(layer)
+        for name, W, b in zip(self.in_names, mlp.W_in, mlp.b_in):
+            setattr(owner, name, _new_linear(W, b, getattr(owner, name)))
+        setattr(owner, self.out_name, _new_linear(mlp.W_out, mlp.b_out, getattr(owner, self.out_name)))
+
+    def width(self, layer: nn.Module) -> int:
+        return getattr(self.mlp_owner(layer), self.out_name).in_features
+
+    def set_config_width(self, width: int) -> None:
+        setattr(self.model.config, self.width_field, int(width))
+
+    # -- parameter accounting ---------------------------------------------------------------
+    def params_per_channel(self, layer: nn.Module) -> int:
+        """Parameters removed with one channel: a row (+bias entry) of every input projection and
+        a column of the output projection. The output bias (OPT fc2) stays."""
+        owner = self.mlp_owner(layer)
+        n = sum(getattr(owner, m).in_features + (getattr(owner, m).bias is not None) for m in self.in_names)
+        return n + getattr(owner, self.out_name).out_features
+
+    def decoder_params(self) -> int:
+        return sum(p.numel() for p in self.layers().parameters())
+
+    def mlp_params(self) -> int:
+        """Parameters of the MLP Linear modules (weights and biases) over all decoder layers."""
+        total = 0
+        for layer in self.layers():
+            owner = self.mlp_owner(layer)
+            for name in (*self.in_names, self.out_name):
+                total += sum(p.numel() for p in getattr(owner, name).parameters())
+        return total
+
+
+class GLUAdapter(Adapter):
+    """gate/up/down MLPs: ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU)."""
+
+    model_types = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
+    in_names = ("gate_proj", "up_proj")
+    out_name = "down_proj"
+
+    def layers(self):
+        return self.model.model.layers
+
+    def mlp_owner(self, layer):
+        return layer.mlp
+
+    def activation(self, layer):
+        return layer.mlp.act_fn
+
+
+class OPTAdapter(Adapter):
+    """OPT: ``fc2(relu(fc1(x)))`` with biases; width in ``config.ffn_dim``."""
+
+    model_types = ("opt",)
+    width_field = "ffn_dim"
+    in_names = ("fc1",)
+    out_name = "fc2"
+
+    def layers(self):
+        return self.model.model.decoder.layers
+
+    def mlp_owner(self, layer):
+        return layer
+
+    def activation(self, layer):
+        return layer.activation_fn
+
+
+ADAPTERS: tuple[type[Adapter], ...] = (GLUAdapter, OPTAdapter)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for a in ADAPTERS for t in a.model_types)
+
+
+def get_adapter(model: nn.Module) -> Adapter:
+    model_type = getattr(model.config, "model_type", None)
+    for cls in ADAPTERS:
+        if model_type in cls.model_types:
+            return cls(model)
+    raise ValueError(
+        f"unsupported architecture {model_type!r}: spap supports {', '.join(supported_model_types())}. "
+        "Add an Adapter subclass in spap_lib/adapters.py for a new one."
+    )

