@@ -5,13 +5,15 @@ same calls serve scripts and benchmarks.
 """
 from __future__ import annotations
 
-import time
+import json
+import warnings
 from pathlib import Path
 
 import torch
 
 from . import io
 from .data import Calibration, calibration_windows
+from .evaluate import perplexity
 from .methods import get_method
 from .models import Loaded
 from .pipeline import plan_sparsity, prune_model
@@ -24,10 +26,10 @@ def param_counts(loaded: Loaded) -> dict:
 
 
 def save_calibration(path: str | Path, calib: Calibration, model_name: str) -> None:
-    """Token windows + where they came from (tensors and plain data only, via safetensors-free torch.save)."""
+    """Token windows + where they came from (tensors and plain data only; loaded with weights_only)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"windows": calib.windows, "model": model_name, **calib.describe()}, tmp)
+    torch.save({"windows": calib.windows, "starts": calib.starts, "model": model_name, **calib.describe()}, tmp)
     tmp.replace(path)
 
 
@@ -39,7 +41,8 @@ def load_calibration(path: str | Path, model_name: str, nsamples: int, seqlen: i
     blob = torch.load(path, weights_only=True)
     if (blob["model"], blob["nsamples"], blob["seqlen"], blob["seed"]) != (model_name, nsamples, seqlen, seed):
         return None
-    return Calibration(blob["windows"], blob["split"], blob["source"], blob["corpus_tokens"], blob["seed"])
+    return Calibration(blob["windows"], blob["starts"], blob["split"], blob["source"], blob["corpus_tokens"],
+                       blob["seed"])
 
 
 def get_calibration(loaded: Loaded, model_name: str, nsamples: int, seqlen: int, seed: int,
@@ -48,12 +51,35 @@ def get_calibration(loaded: Loaded, model_name: str, nsamples: int, seqlen: int,
     return calib or calibration_windows(loaded.tokenizer, nsamples, seqlen, seed)
 
 
+def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_windows: int | None,
+                     cache: str | Path | None = None, progress: bool = True) -> dict:
+    """Dense WikiText-2 perplexity, read from ``cache`` if an earlier run used the same protocol.
+
+    ``cache`` is the ``dense.json`` that ``01_calibrate`` writes (with parameter counts and versions).
+    """
+    key = {"model": model_name, "eval_seqlen": eval_seqlen, "eval_windows": eval_windows}
+    if cache and Path(cache).is_file():
+        blob = json.loads(Path(cache).read_text())
+        if blob.get("protocol") == key:
+            return blob["perplexity"]
+    ppl = perplexity(loaded.model, loaded.tokenizer, eval_seqlen, eval_windows, progress=progress)
+    if cache:
+        io.write_json_atomic(cache, io.manifest(protocol=key, perplexity=ppl, params=param_counts(loaded)))
+    return ppl
+
+
 def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
           hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool = True,
           progress: bool = True) -> dict:
     """Prune ``loaded.model`` in place. Validates everything before any work is done."""
     algo = get_method(method, **(hparams or {}))
     plan = plan_sparsity(loaded.adapter, sparsity)
+    if calib.windows.numel() < plan.width:
+        warnings.warn(
+            f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
+            f"steps are underdetermined and overfit the calibration set; use nsamples x seqlen >= {4 * plan.width}",
+            stacklevel=2,
+        )
     before = param_counts(loaded)
     torch.manual_seed(seed)
     run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
@@ -87,8 +113,3 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, **extra) -> Path:
     fields = io.manifest(model=loaded.source.as_dict(), **report, **extra)
     return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields)
 
-
-def timed(fn, *args, **kwargs):
-    t = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t

@@ -79,6 +79,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 @dataclass
 class Calibration:
     windows: torch.Tensor  # [nsamples, seqlen]
+    starts: torch.Tensor  # [nsamples] token offset of each window in the corpus
     split: str
     source: str
     corpus_tokens: int
@@ -105,4 +106,4 @@ def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, te
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seqlen, (nsamples,), generator=gen)
     windows = torch.stack([ids[s:s + seqlen] for s in starts.tolist()])
-    return Calibration(windows, text.split, text.source, ids.numel(), seed)
+    return Calibration(windows, starts, text.split, text.source, ids.numel(), seed)

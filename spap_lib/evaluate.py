@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .data import tokenize, wikitext
 

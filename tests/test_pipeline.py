@@ -1,0 +1,92 @@
+"""Invariants on tiny random OPT, Llama, Qwen2 and Gemma-3 models."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import spap_lib as sl
+from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.data import Calibration
+from spap_lib.io import MANIFEST
+
+FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
+
+
+def _calib(windows):
+    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+
+
+def test_replay_reproduces_the_model(loaded, windows):
+    """Layer-by-layer replay from captured layer-0 inputs and kwargs equals the full forward."""
+    layers = loaded.adapter.layers()
+    with torch.no_grad():
+        ref = loaded.model(input_ids=windows, output_hidden_states=True).hidden_states
+    hidden, kwargs = first_layer_inputs(loaded.model, layers, windows, batch_size=3, device="cpu")
+    torch.testing.assert_close(hidden, ref[0])
+    for i, layer in enumerate(layers[:-1]):  # the last entry of hidden_states has the final norm
+        hidden, _ = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size=3)
+        torch.testing.assert_close(hidden, ref[i + 1], rtol=1e-4, atol=1e-4)
+    assert not any("forward" in layer.__dict__ for layer in layers)
+
+
+def test_shrunk_model_equals_masked_dense_model(loaded, windows):
+    ad = loaded.adapter
+    keep = torch.tensor([0, 3, 5, 6, 10, 17, 33, 40, 63])
+    masked = AutoModelForCausalLM.from_config(loaded.model.config).eval()
+    masked.load_state_dict(loaded.model.state_dict())
+    mad = sl.get_adapter(masked)
+    for layer, mlayer in zip(ad.layers(), mad.layers()):
+        ad.set_mlp(layer, ad.get_mlp(layer).select(keep))
+        out = getattr(mad.mlp_owner(mlayer), mad.out_name)
+        drop = torch.ones(out.in_features, dtype=torch.bool)
+        drop[keep] = False
+        with torch.no_grad():
+            out.weight[:, drop] = 0  # masking the output projection's columns silences the channel
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(windows).logits, masked(windows).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_parameter_counts(loaded, arch):
+    cfg = loaded.model.config
+    d, n, L = cfg.hidden_size, 64, cfg.num_hidden_layers
+    per_channel = 2 * d + 1 if arch == "opt" else 3 * d  # fc1 row + bias entry + fc2 col | gate, up, down
+    plan = sl.plan_sparsity(loaded.adapter, 0.25)
+    assert plan.params_per_channel == per_channel
+    mlp = L * ((2 * n * d + n + d) if arch == "opt" else 3 * n * d)
+    assert loaded.adapter.mlp_params() == mlp
+    before = sl.param_counts(loaded)
+    for layer in loaded.adapter.layers():
+        loaded.adapter.set_mlp(layer, loaded.adapter.get_mlp(layer).select(torch.arange(n - plan.n_remove)))
+    after = sl.param_counts(loaded)
+    assert before["decoder"] - after["decoder"] == L * plan.n_remove * per_channel
+    assert before["total"] - after["total"] == L * plan.n_remove * per_channel
+    assert abs((1 - after["decoder"] / before["decoder"]) - 0.25) < per_channel * L / before["decoder"]
+
+
+def test_prune_save_and_stock_reload(loaded, windows, tiny_tokenizer, tmp_path):
+    loaded.tokenizer = tiny_tokenizer
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=FAST, progress=False)
+    width = report["sparsity"]["mlp_width"]["pruned"]
+    assert width < 64 and all(loaded.adapter.width(layer) == width for layer in loaded.adapter.layers())
+    out = sl.save(loaded, report, tmp_path / "pruned")
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers, no spap
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(windows).logits, loaded.model(windows).logits, rtol=1e-5, atol=1e-5)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["method"] == "spap" and manifest["sparsity"]["requested"] == 0.3
+    assert manifest["versions"]["torch"] and "git_revision" in manifest
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+
+def test_pruning_reduces_error_versus_plain_selection(loaded, windows):
+    """The penalty refit + update beats keeping the same channels with their dense weights."""
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=FAST, progress=False)
+    for layer in report["layers"]:
+        assert layer["rel_error_final"] <= layer["rel_error_penalty"] + 1e-12
+
+
+def test_no_hooks_left_behind(loaded, windows):
+    sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
+    for m in loaded.model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__
