@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 SPAP_DATA_DIR ?= $(if $(wildcard ../shared/data),$(abspath ../shared/data),$(CURDIR)/data)
 export SPAP_DATA_DIR
 RUN ?= runs/main
+CONFIG ?= configs/offline.yaml
 PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
 
 .PHONY: setup main test clean
@@ -26,8 +27,8 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 # Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
 main: setup
 	mkdir -p $(RUN)
-	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f configs/offline.yaml -p run_dir $(RUN)
-	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f configs/offline.yaml -p run_dir $(RUN)
+	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f $(CONFIG) -p run_dir $(RUN)
+	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f $(CONFIG) -p run_dir $(RUN)
 
 # Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill and nbval.
 test: setup

@@ -1,0 +1,107 @@
+"""How spap's SPAP defaults were chosen: held-out MLP reconstruction error on real layers.
+
+For a few decoder layers of SmolLM2-135M we capture the dense MLP inputs for calibration windows
+(the fit set) and for disjoint windows of another seed (the held-out set), prune each layer with a
+grid of hyperparameters (one varied at a time around a base point) and record the relative
+held-out error ``‖Y − f(X)‖² / ‖Y‖²`` of the pruned MLP. Held-out, not calibration, error: the
+closed-form steps can overfit a small calibration set, which the fit error would reward.
+
+    python bench/tune.py --out bench/results/tune.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from contextlib import ExitStack
+
+import pandas as pd
+import torch
+
+import spap_lib as sl
+from spap_lib.capture import capture_inputs
+from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.methods import LayerProblem
+
+PENALTY_GRID = {
+    "t": [0.0, 0.5, 1.0],
+    "alpha": [0.0, 0.5, 0.9],
+    "rho0": [1e-3, 1e-2, 1e-1],
+    "tau": [1.2, 1.5, 2.0],
+    "K": [10, 20, 30],
+    "damp": [1e-4, 1e-3, 1e-2],
+}
+UPDATE_GRID = {"lr": [1e-5, 1e-4, 1e-3], "adam_steps": [10, 50], "am_iters": [0, 5, 20]}
+
+
+@torch.no_grad()
+def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Dense MLP inputs of the chosen layers (whole-model forwards; fine for a tuning script)."""
+    mods = [loaded.adapter.mlp_input_module(loaded.adapter.layers()[i]) for i in layers]
+    with ExitStack() as stack:
+        seen = [stack.enter_context(capture_inputs(m)) for m in mods]
+        for w in windows:
+            loaded.model(input_ids=w[None], use_cache=False)
+    return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="2,15,28")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--sparsity", type=float, default=0.2)
+    ap.add_argument("--which", choices=["penalty", "update", "both"], default="both")
+    ap.add_argument("--base", default="", help="overrides of the base point, e.g. t=0.5,K=20")
+    ap.add_argument("--grid", default="", help="replace the update grid, e.g. 'lr=1e-3,3e-3;am_iters=5,20'")
+    ap.add_argument("--out", default="bench/results/tune.csv")
+    args = ap.parse_args(argv)
+
+    loaded = sl.load(args.model, device="cpu")
+    layers = [int(x) for x in args.layers.split(",")]
+    fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
+    held = sl.calibration_windows(loaded.tokenizer, max(4, args.nsamples // 4), args.seqlen, seed=1)
+    X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
+    plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
+    base = {k: type(v)(v) for k, v in sl.get_method("spap").hparams().items()}
+    for kv in filter(None, args.base.split(",")):
+        k, v = kv.split("=")
+        base[k] = type(base[k])(float(v))
+
+    update_grid = UPDATE_GRID
+    if args.grid:
+        update_grid = {k: [type(base[k])(float(x)) for x in v.split(",")]
+                       for k, v in (part.split("=") for part in args.grid.split(";"))}
+    grids = []
+    if args.which in ("penalty", "both"):
+        grids += [({**base, "am_iters": 0, k: v}, "penalty", k) for k, vs in PENALTY_GRID.items() for v in vs]
+    if args.which in ("update", "both"):
+        grids += [({**base, k: v}, "update", k) for k, vs in update_grid.items() for v in vs]
+    rows = []
+    for hp, stage, varied in grids:
+        method = sl.get_method("spap", **hp)
+        for i in layers:
+            dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
+            t0 = time.perf_counter()
+            res = method.prune(LayerProblem(dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
+            secs = time.perf_counter() - t0
+            Y = dense(X_held[i])
+            err = float((res.mlp(X_held[i]) - Y).pow(2).sum() / Y.pow(2).sum())
+            rows.append({"stage": stage, "varied": varied, "value": hp[varied], "layer": i, "heldout_rel_error": err,
+                         "fit_rel_error": res.info.get("rel_error_final"), "seconds": secs, **hp})
+            print(stage, varied, hp[varied], i, f"{err:.5f}", f"{secs:.1f}s", flush=True)
+    frame = pd.DataFrame(rows)
+    write_csv_atomic(args.out, frame)
+    summary = frame.groupby(["stage", "varied", "value"])[["heldout_rel_error", "seconds"]].mean()
+    command = " ".join(["python", "bench/tune.py", *(sys.argv[1:] if argv is None else argv)])
+    write_text_atomic(args.out.replace(".csv", ".md"), (
+        f"# SPAP hyperparameter sweep\n\nCommand: `{command}`  \ngit: {git_revision()}  \n"
+        f"Base point: `{base}`; layers {layers}; fit {fit.describe()}; held-out {held.describe()}.\n"
+        f"Mean over layers of the held-out relative error (lower is better) and seconds per layer:\n\n"
+        f"{summary.to_markdown()}\n"))
+    print(summary.to_string())
+
+
+if __name__ == "__main__":
+    main()
