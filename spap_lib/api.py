@@ -105,11 +105,15 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         "params": {"dense": before, "pruned": after},
         "seconds": run["seconds"],
         "layers": run["layers"],
+        "kept_channels": run["kept_channels"],
     }
 
 
 def save(loaded: Loaded, report: dict, out_dir: str | Path, **extra) -> Path:
-    """Atomically save the pruned model, tokenizer and manifest (report + versions + git)."""
-    fields = io.manifest(model=loaded.source.as_dict(), **report, **extra)
-    return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields)
+    """Atomically save the pruned model, tokenizer, manifest (report + versions + git) and the plan
+    (``spap_plan.json``: kept dense channel indices per layer)."""
+    fields = io.manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
+                         **extra)
+    plan = {"model": loaded.source.as_dict(), "kept_channels": report["kept_channels"]}
+    return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={io.PLAN: plan})
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "spap_manifest.json"
+PLAN = "spap_plan.json"
 
 
 @contextmanager
@@ -96,10 +97,13 @@ def manifest(**fields) -> dict:
     }
 
 
-def save_pruned(model, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict) -> Path:
-    """``save_pretrained`` (safetensors) + tokenizer + manifest, atomically. Stock-loadable."""
+def save_pruned(model, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict,
+                extra_files: dict[str, object] | None = None) -> Path:
+    """``save_pretrained`` (safetensors) + tokenizer + manifest (+ JSON files), atomically. Stock-loadable."""
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         write_json_atomic(tmp / MANIFEST, manifest_fields)
+        for name, obj in (extra_files or {}).items():
+            write_json_atomic(tmp / name, obj)
     return Path(out_dir)

@@ -84,11 +84,15 @@ def prune_model(
     propagate: bool = True,
     progress: bool = True,
 ) -> dict:
-    """Prune every decoder layer's MLP in place; returns per-layer diagnostics and timings."""
+    """Prune every decoder layer's MLP in place.
+
+    Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
+    every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
+    """
     t0 = time.perf_counter()
     layers = adapter.layers()
     hidden, kwargs = first_layer_inputs(model, layers, windows, batch_size, device)
-    per_layer = []
+    per_layer, kept = [], []
     for i, layer in enumerate(tqdm(layers, desc=f"{method.name} layers", disable=not progress)):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
@@ -102,5 +106,6 @@ def prune_model(
         # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
         hidden = replay(layer, hidden, layer_kwargs, batch_size)[0] if propagate else out
         per_layer.append({"layer": i, **result.info})
+        kept.append(result.keep.tolist())
     adapter.set_config_width(plan.width - plan.n_remove)
-    return {"seconds": time.perf_counter() - t0, "layers": per_layer}
+    return {"seconds": time.perf_counter() - t0, "layers": per_layer, "kept_channels": kept}
