@@ -50,11 +50,7 @@ def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Ten
     return solve_spd(A, WH.double().T).T.to(WH.dtype)
 
 
-def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, damp: float) -> torch.Tensor:
-    """Least-squares refit using only input rows ``cols``: ``(Y X_Kᵀ)(X_K X_Kᵀ + δI)⁻¹``.
-
-    ``δ = damp · mean(diag(H))`` so the damping is scale-free.
-    """
+def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:
+    """Least-squares refit using only input rows ``cols``: ``(Y X_Kᵀ)(X_K X_Kᵀ + δI)⁻¹``."""
     HK = H[cols][:, cols]
-    delta = damp * mean_diag(H)
     return ridge(WH[:, cols], HK, torch.full((len(cols),), delta, device=H.device))

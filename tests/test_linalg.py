@@ -5,6 +5,7 @@ import torch
 from spap_lib.linalg import NumericalError, lstsq_columns, ridge
 from spap_lib.methods.spap import alternating_update, penalty_method
 from spap_lib.adapters import MLP
+from spap_lib.methods import gram
 
 
 def _data(n=12, d=5, N=200, seed=0):
@@ -28,7 +29,7 @@ def test_ridge_step_equals_direct_least_squares():
 def test_column_refit_equals_least_squares_on_kept_rows():
     Z, Y = _data()
     cols = torch.tensor([0, 3, 4, 9])
-    W = lstsq_columns(Y @ Z.T, Z @ Z.T, cols, damp=0.0)
+    W = lstsq_columns(Y @ Z.T, Z @ Z.T, cols, delta=0.0)
     W_direct = torch.linalg.lstsq(Z[cols].T, Y.T).solution.T
     torch.testing.assert_close(W, W_direct, rtol=1e-8, atol=1e-8)
 
@@ -72,7 +73,8 @@ def test_alternating_update_never_worse_and_improves():
                 torch.nn.functional.silu, glu=True)
     Y = dense(X)
     pruned = dense.select(torch.arange(0, n, 2))
-    out, history = alternating_update(pruned, X, Y, iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
+    H, YZ = gram(pruned, X, 700, Y)
+    out, history = alternating_update(pruned, X, Y, H, YZ, iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
                                       damp=1e-6, chunk=700, seed=0)
     assert min(history) < 0.9 * history[0]
     err = float(((out(X) - Y) ** 2).sum() / (Y ** 2).sum())

@@ -76,7 +76,7 @@ def penalty_method(
     keep_mask[order[:lam]] = False
     keep = torch.nonzero(keep_mask).flatten()
     cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
-    W_keep = lstsq_columns(WH, H, cols, damp)
+    W_keep = lstsq_columns(WH, H, cols, delta)
     info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0}
     return keep, W_keep, info
 
@@ -99,6 +99,8 @@ def alternating_update(
     mlp: MLP,
     X: torch.Tensor,
     Y: torch.Tensor,
+    H: torch.Tensor,
+    YZ: torch.Tensor,
     *,
     iters: int,
     adam_steps: int,
@@ -110,11 +112,12 @@ def alternating_update(
 ) -> tuple[MLP, list[float]]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
+    ``H`` and ``YZ`` are ``Z̃ Z̃ᵀ`` and ``Y Z̃ᵀ`` of the starting point (known from the penalty stage).
     Returns the iterate with the lowest calibration error (the initial one included, so the update
     can never make a layer worse on its calibration data) and the relative error per iteration.
     """
     YY = float(Y.double().pow(2).sum())
-    H, YZ = gram(mlp, X, chunk, Y)
+    n = mlp.width
     W_aug = torch.cat([mlp.W_out, mlp.b_out[:, None]], 1) if mlp.b_out is not None else mlp.W_out
     history = [reconstruction_error(W_aug, H, YZ, YY) / YY]
     best = (history[0], mlp.clone())
@@ -130,7 +133,8 @@ def alternating_update(
             opt.step()
         with torch.no_grad():
             H, YZ = gram(mlp, X, chunk, Y)
-            W_aug = lstsq_columns(YZ, H, torch.arange(H.shape[0], device=H.device), damp)
+            delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
+            W_aug = lstsq_columns(YZ, H, torch.arange(H.shape[0], device=H.device), delta)
             set_out(mlp, W_aug)
             history.append(reconstruction_error(W_aug, H, YZ, YY) / YY)
         if history[-1] < best[0]:
@@ -169,8 +173,12 @@ class SPAP(Method):
         mlp = dense.select(keep)
         set_out(mlp, W_keep)
         if self.am_iters > 0:
+            # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
+            cols = torch.cat([keep, keep.new_tensor([dense.width])]) if bias else keep
+            H = problem.H[cols][:, cols]
+            YZ = W0.double() @ problem.H[:, cols]
             mlp, history = alternating_update(
-                mlp, problem.X, problem.Y, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
+                mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
                 seed=problem.seed + problem.layer_index,
             )
