@@ -27,6 +27,20 @@ def _windows(arg: str) -> int | None:
     return None if arg in ("all", "none", "None") else int(arg)
 
 
+def write_results(args, command: str, revision: str | None, calib, hparams: dict, rows: list[dict]) -> None:
+    """The CSV and its Markdown twin (command, git, machine, protocol), rewritten after every model."""
+    frame = pd.DataFrame(rows)
+    write_csv_atomic(args.out, frame)
+    table = frame.pivot_table(index=["method", "sparsity"], columns="eval_seqlen", values="ppl").round(2)
+    write_text_atomic(args.out.replace(".csv", ".md"), (
+        f"# {args.model}: {args.method} at {args.sparsities}\n\n"
+        f"Command: `{command}`  \ngit: {revision}  \nmachine: {platform.machine()}, "
+        f"{torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}  \nversions: {versions()}  \n"
+        f"Calibration: {calib.describe()}  \nMethod hyperparameters: {sl.get_method(args.method, **hparams).hparams()}  \n"
+        f"Evaluation: WikiText-2 raw test, non-overlapping windows, cap {args.eval_windows or 'none (whole split)'}\n\n"
+        f"## Perplexity\n\n{table.to_markdown()}\n\n## All columns\n\n{frame.round(4).to_markdown(index=False)}\n"))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -42,6 +56,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default="bench/results/smollm2_spap.csv")
     args = ap.parse_args(argv)
     command = " ".join(["python", "bench/prune_bench.py", *(sys.argv[1:] if argv is None else argv)])
+    revision = git_revision()  # the code this run imported, even if the tree changes while it runs
     hparams = json.loads(args.hparams)
     sl.get_method(args.method, **hparams)  # fail before loading anything
 
@@ -59,7 +74,7 @@ def main(argv=None) -> None:
                          "eval_all_windows": ppl["all_windows"], "ppl": ppl["ppl"],
                          "eval_seconds": time.perf_counter() - t0, **extra})
             print(json.dumps(rows[-1]), flush=True)
-        write_csv_atomic(args.out, pd.DataFrame(rows))
+        write_results(args, command, revision, calib, hparams, rows)
 
     counts = sl.param_counts(loaded)
     base = {"model": args.model, "calib_nsamples": args.nsamples, "calib_seqlen": args.seqlen,
@@ -75,16 +90,6 @@ def main(argv=None) -> None:
                   "achieved_total": report["sparsity"]["achieved_total"],
                   "decoder_params": report["params"]["pruned"]["decoder"],
                   "total_params": report["params"]["pruned"]["total"], "prune_seconds": report["seconds"]})
-
-    frame = pd.DataFrame(rows)
-    table = frame.pivot_table(index=["method", "sparsity"], columns="eval_seqlen", values="ppl").round(2)
-    write_text_atomic(args.out.replace(".csv", ".md"), (
-        f"# {args.model}: {args.method} at {args.sparsities}\n\n"
-        f"Command: `{command}`  \ngit: {git_revision()}  \nmachine: {platform.machine()}, "
-        f"{torch.get_num_threads()} threads, cuda={torch.cuda.is_available()}  \nversions: {versions()}  \n"
-        f"Calibration: {calib.describe()}  \nMethod hyperparameters: {sl.get_method(args.method, **hparams).hparams()}\n"
-        f"Evaluation: WikiText-2 raw test, non-overlapping windows, cap {args.eval_windows or 'none (whole split)'}\n\n"
-        f"## Perplexity\n\n{table.to_markdown()}\n\n## All columns\n\n{frame.round(4).to_markdown(index=False)}\n"))
 
 
 if __name__ == "__main__":

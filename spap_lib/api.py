@@ -27,10 +27,8 @@ def param_counts(loaded: Loaded) -> dict:
 
 def save_calibration(path: str | Path, calib: Calibration, model_name: str) -> None:
     """Token windows + where they came from (tensors and plain data only; loaded with weights_only)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save({"windows": calib.windows, "starts": calib.starts, "model": model_name, **calib.describe()}, tmp)
-    tmp.replace(path)
+    with io.atomic_file(path) as tmp:
+        torch.save({"windows": calib.windows, "starts": calib.starts, "model": model_name, **calib.describe()}, tmp)
 
 
 def load_calibration(path: str | Path, model_name: str, nsamples: int, seqlen: int, seed: int) -> Calibration | None:

@@ -41,17 +41,24 @@ def atomic_dir(path: str | os.PathLike):
             shutil.rmtree(tmp)
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+@contextmanager
+def atomic_file(path: str | os.PathLike):
+    """Yield a temporary path that replaces ``path`` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        yield Path(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

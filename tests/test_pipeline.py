@@ -92,3 +92,14 @@ def test_no_hooks_left_behind(loaded, windows):
     sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
     for m in loaded.model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__
+
+
+def test_calibration_cache_round_trip(windows, tmp_path):
+    from spap_lib.api import load_calibration, save_calibration
+
+    calib = _calib(windows)
+    save_calibration(tmp_path / "calibration.pt", calib, "tiny")
+    back = load_calibration(tmp_path / "calibration.pt", "tiny", 4, 24, 0)
+    assert torch.equal(back.windows, calib.windows) and back.split == "validation"
+    assert load_calibration(tmp_path / "calibration.pt", "tiny", 8, 24, 0) is None  # other request: recompute
+    assert [p.name for p in tmp_path.iterdir()] == ["calibration.pt"]
