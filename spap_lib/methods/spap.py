@@ -134,7 +134,7 @@ def alternating_update(
         with torch.no_grad():
             H, YZ = gram(mlp, X, chunk, Y)
             delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
-            W_aug = lstsq_columns(YZ, H, torch.arange(H.shape[0], device=H.device), delta)
+            W_aug = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device))
             set_out(mlp, W_aug)
             history.append(reconstruction_error(W_aug, H, YZ, YY) / YY)
         if history[-1] < best[0]:
