@@ -104,7 +104,10 @@ def prune_model(
         del problem, X
         adapter.set_mlp(layer, result.mlp)
         # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
-        hidden = replay(layer, hidden, layer_kwargs, batch_size)[0] if propagate else out
+        if propagate:
+            del out  # the dense outputs are not needed: keep at most two activation copies alive
+            out = replay(layer, hidden, layer_kwargs, batch_size)[0]
+        hidden = out
         per_layer.append({"layer": i, **result.info})
         kept.append(result.keep.tolist())
     adapter.set_config_width(plan.width - plan.n_remove)

@@ -9,6 +9,7 @@ import spap_lib as sl
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.data import Calibration
 from spap_lib.io import MANIFEST
+from spap_lib.methods import LayerProblem
 
 FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
 
@@ -103,3 +104,21 @@ def test_calibration_cache_round_trip(windows, tmp_path):
     assert torch.equal(back.windows, calib.windows) and back.split == "validation"
     assert load_calibration(tmp_path / "calibration.pt", "tiny", 8, 24, 0) is None  # other request: recompute
     assert [p.name for p in tmp_path.iterdir()] == ["calibration.pt"]
+
+
+def test_without_propagation_layers_see_dense_activations(loaded, windows):
+    """propagate=False: the last layer is pruned exactly as if its inputs came from the dense model."""
+    dense_model = AutoModelForCausalLM.from_config(loaded.model.config).eval()
+    dense_model.load_state_dict(loaded.model.state_dict())
+    hp = {**FAST, "am_iters": 0}
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hp, propagate=False, progress=False)
+    ad = sl.get_adapter(dense_model)
+    last = len(ad.layers()) - 1
+    with torch.no_grad():
+        hidden = dense_model(input_ids=windows, output_hidden_states=True).hidden_states[last]
+    _, kwargs = first_layer_inputs(dense_model, ad.layers(), windows, batch_size=4, device="cpu")
+    layer = ad.layers()[last]
+    _, X = replay(layer, hidden, {4: kwargs[4][last]}, 4, watch=ad.mlp_input_module(layer))
+    plan = sl.plan_sparsity(ad, 0.3)
+    expected = sl.get_method("spap", **hp).prune(LayerProblem(ad.get_mlp(layer), X.float(), plan.n_remove))
+    assert report["kept_channels"][last] == expected.keep.tolist()
