@@ -87,6 +87,11 @@ def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY:
     return float(YY - 2 * (W * YZ).sum() + ((W @ H) * W).sum())
 
 
+def get_out(mlp: MLP) -> torch.Tensor:
+    """``[W_out | b_out]``: the output projection as one least-squares unknown (``set_out``'s inverse)."""
+    return torch.cat([mlp.W_out, mlp.b_out[:, None]], 1) if mlp.b_out is not None else mlp.W_out
+
+
 def set_out(mlp: MLP, W: torch.Tensor) -> None:
     """Write ``[W_out | b_out]`` (the augmented least-squares solution) into ``mlp``."""
     if mlp.b_out is not None:
@@ -118,7 +123,7 @@ def alternating_update(
     """
     YY = float(Y.double().pow(2).sum())
     n = mlp.width
-    W_aug = torch.cat([mlp.W_out, mlp.b_out[:, None]], 1) if mlp.b_out is not None else mlp.W_out
+    W_aug = get_out(mlp)
     history = [reconstruction_error(W_aug, H, YZ, YY) / YY]
     best = (history[0], mlp.clone())
     params = [w.requires_grad_(True) for w in mlp.W_in] + [b.requires_grad_(True) for b in mlp.b_in if b is not None]
@@ -165,7 +170,7 @@ class SPAP(Method):
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         dense, bias = problem.dense, problem.has_bias
-        W0 = torch.cat([dense.W_out, dense.b_out[:, None]], 1) if bias else dense.W_out
+        W0 = get_out(dense)
         keep, W_keep, info = penalty_method(
             W0, problem.H, problem.n_remove, bias=bias, rho0=self.rho0, tau=self.tau, t=self.t,
             alpha=self.alpha, K=self.K, damp=self.damp,
