@@ -10,7 +10,7 @@ RUN ?= runs/main
 CONFIG ?= configs/offline.yaml
 PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
 
-.PHONY: setup main test clean
+.PHONY: setup main test ablate figures clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,18 @@ main: setup
 	mkdir -p $(RUN)
 	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f $(CONFIG) -p run_dir $(RUN)
 	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f $(CONFIG) -p run_dir $(RUN)
+
+# The ablation grid on the offline real models (results/ablation.csv, figures/); resumes where it stopped.
+ABLATE_CONFIG ?= configs/ablate_offline.yaml
+ablate: setup
+	mkdir -p runs/ablate
+	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f $(ABLATE_CONFIG)
+
+# Redraw Figure 2 and the headline table from the committed results table only (no pruning).
+figures: setup
+	mkdir -p runs/figures
+	$(PAPERMILL) notebooks/03_ablate.ipynb runs/figures/03_ablate.ipynb -f $(ABLATE_CONFIG) -p prune False \
+		-p run_dir runs/figures
 
 # Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill and nbval.
 test: setup

@@ -109,15 +109,46 @@ class Adapter:
     def set_mlp(self, layer: nn.Module, mlp: MLP) -> None:
         """Replace the layer's Linear modules by ones of the (possibly smaller) width of ``mlp``."""
         owner = self.mlp_owner(layer)
+        # With Llama's config.mlp_bias every projection must carry a bias for stock loading.
+        all_bias = bool(getattr(self.model.config, "mlp_bias", False))
         for name, W, b in zip(self.in_names, mlp.W_in, mlp.b_in):
+            if b is None and all_bias:
+                b = W.new_zeros(W.shape[0])
             setattr(owner, name, _new_linear(W, b, getattr(owner, name)))
-        setattr(owner, self.out_name, _new_linear(mlp.W_out, mlp.b_out, getattr(owner, self.out_name)))
+        b_out = mlp.b_out if mlp.b_out is not None or not all_bias else mlp.W_out.new_zeros(mlp.W_out.shape[0])
+        setattr(owner, self.out_name, _new_linear(mlp.W_out, b_out, getattr(owner, self.out_name)))
 
     def width(self, layer: nn.Module) -> int:
         return getattr(self.mlp_owner(layer), self.out_name).in_features
 
-    def set_config_width(self, width: int) -> None:
-        setattr(self.model.config, self.width_field, int(width))
+    def set_config_width(self, widths: int | list[int]) -> None:
+        """Record the MLP width(s). Uniform widths keep the config stock; per-layer widths are stored
+        as ``spap_mlp_widths`` (with the largest as the nominal width) for ``spap_lib.load_pruned``."""
+        widths = [int(widths)] if isinstance(widths, int) else [int(w) for w in widths]
+        setattr(self.model.config, self.width_field, max(widths))
+        if len(set(widths)) > 1:
+            self.model.config.spap_mlp_widths = widths
+        elif hasattr(self.model.config, "spap_mlp_widths"):
+            del self.model.config.spap_mlp_widths
+
+    def resize(self, layer: nn.Module, width: int) -> None:
+        """Give a layer's MLP an (uninitialised) width, so a checkpoint of that shape can be loaded."""
+        mlp = self.get_mlp(layer)
+        self.set_mlp(layer, mlp.select(torch.arange(width)))
+
+    # -- output bias (FLAP's compensation) ----------------------------------------------------
+    def has_out_bias(self) -> bool:
+        return getattr(self.mlp_owner(self.layers()[0]), self.out_name).bias is not None
+
+    def can_add_out_bias(self) -> bool:
+        """Whether stock transformers can load an MLP output bias this model does not have yet
+        (Llama's ``config.mlp_bias``; a checkpoint with an unexpected bias would load without it)."""
+        return hasattr(self.model.config, "mlp_bias")
+
+    def enable_out_bias(self) -> None:
+        if not self.can_add_out_bias():
+            raise ValueError(f"{self.model.config.model_type!r} has no MLP output bias slot in stock transformers")
+        self.model.config.mlp_bias = True
 
     # -- parameter accounting ---------------------------------------------------------------
     def params_per_channel(self, layer: nn.Module) -> int:

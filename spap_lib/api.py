@@ -67,9 +67,13 @@ def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_win
 
 
 def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
-          hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool = True,
-          progress: bool = True) -> dict:
-    """Prune ``loaded.model`` in place. Validates everything before any work is done."""
+          hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool | None = None,
+          progress: bool = True, inputs: tuple | None = None, stats: list | None = None) -> dict:
+    """Prune ``loaded.model`` in place. Validates everything before any work is done.
+
+    ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
+    layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
+    """
     algo = get_method(method, **(hparams or {}))
     plan = plan_sparsity(loaded.adapter, sparsity)
     if calib.windows.numel() < plan.width:
@@ -81,12 +85,14 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     before = param_counts(loaded)
     torch.manual_seed(seed)
     run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
-                      batch_size=batch_size, seed=seed, propagate=propagate, progress=progress)
+                      batch_size=batch_size, seed=seed, propagate=propagate, progress=progress, inputs=inputs,
+                      stats=stats)
     after = param_counts(loaded)
+    widths = [len(k) for k in run["kept_channels"]]
     return {
         "method": method,
         "hparams": algo.hparams(),
-        "propagate": propagate,
+        "propagate": run["propagate"],
         "seed": seed,
         "calibration": calib.describe(),
         "sparsity": {
@@ -94,8 +100,8 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
             "counted_over": "parameters inside decoder layers (attention, MLP, norms); "
                             "not embeddings, final norm or LM head",
             "mlp_share_of_decoder": plan.mlp_share,
-            "mlp_channels_removed_per_layer": plan.n_remove,
-            "mlp_width": {"dense": plan.width, "pruned": plan.width - plan.n_remove},
+            "mlp_channels_removed": plan.n_remove * plan.layers,
+            "mlp_width": {"dense": plan.width, "pruned": widths[0] if len(set(widths)) == 1 else widths},
             "mlp_channel_ratio": plan.mlp_ratio,
             "achieved_decoder": 1 - after["decoder"] / before["decoder"],
             "achieved_total": 1 - after["total"] / before["total"],

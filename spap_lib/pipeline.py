@@ -15,6 +15,8 @@ from tqdm import tqdm
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .methods import LayerProblem, Method
+from .methods.scores import ScoreMethod
+from .stats import ChannelStats, block_angular
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,9 @@ class SparsityPlan:
 
     Sparsity is the fraction of *decoder-layer* parameters removed (every parameter inside the
     decoder layers: attention, MLP, norms; not embeddings, final norm or LM head). Only MLP channels
-    are removed, the same number in every layer, so
-    ``n_remove = round(sparsity · decoder_params / (layers · params_per_channel))``.
+    are removed, ``layers · n_remove`` in total with
+    ``n_remove = round(sparsity · decoder_params / (layers · params_per_channel))``: the same number
+    in every layer unless a method allocates the total differently (``spap_lib.allocation``).
     """
 
     sparsity: float
@@ -70,6 +73,24 @@ def plan_sparsity(adapter: Adapter, sparsity: float) -> SparsityPlan:
     return plan
 
 
+def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: int = 8192,
+                progress: bool = True) -> list[ChannelStats]:
+    """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
+
+    ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``.
+    """
+    hidden, kwargs = inputs
+    stats = []
+    for i, layer in enumerate(tqdm(adapter.layers(), desc="dense statistics", disable=not progress)):
+        out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
+                        watch=adapter.mlp_input_module(layer))
+        s = ChannelStats.of(adapter.get_mlp(layer), X.float(), chunk)
+        s.angular = block_angular(hidden, out)
+        stats.append(s)
+        hidden = out
+    return stats
+
+
 def prune_model(
     model: torch.nn.Module,
     adapter: Adapter,
@@ -81,19 +102,56 @@ def prune_model(
     batch_size: int = 1,
     chunk: int = 8192,
     seed: int = 0,
-    propagate: bool = True,
+    propagate: bool | None = None,
     progress: bool = True,
+    inputs: tuple | None = None,
+    stats: list[ChannelStats] | None = None,
 ) -> dict:
     """Prune every decoder layer's MLP in place.
 
+    ``propagate`` (default: the method's own setting) calibrates layer i+1 on the outputs of the
+    pruned layer i (SPAP, FASP) instead of the dense one. Score methods without propagation work
+    from dense statistics only (``stats``, computed here unless given): one pass, any allocation.
+    ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
     Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
     every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
     """
+    propagate = method.propagates if propagate is None else propagate
+    method.prepare(adapter)  # architecture checks before any work
     t0 = time.perf_counter()
     layers = adapter.layers()
-    hidden, kwargs = first_layer_inputs(model, layers, windows, batch_size, device)
+    if inputs is None:
+        inputs = first_layer_inputs(model, layers, windows, batch_size, device)
+    if isinstance(method, ScoreMethod) and not propagate:
+        if stats is None:
+            stats = dense_stats(adapter, inputs, batch_size=batch_size, chunk=chunk, progress=progress)
+        per_layer, kept = _prune_from_stats(adapter, method, plan, stats)
+    else:
+        per_layer, kept = _prune_sequential(adapter, method, plan, inputs, batch_size=batch_size, chunk=chunk,
+                                            seed=seed, propagate=propagate, progress=progress)
+    adapter.set_config_width([len(k) for k in kept])
+    return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept}
+
+
+def _prune_from_stats(adapter: Adapter, method: ScoreMethod, plan: SparsityPlan, stats: list[ChannelStats]):
+    layers = adapter.layers()
+    mlps = [adapter.get_mlp(layer) for layer in layers]
+    scores = [method.score(mlp, s) for mlp, s in zip(mlps, stats)]
+    removals = method.removals(scores, stats, plan.width, plan.n_remove * len(layers))
     per_layer, kept = [], []
-    for i, layer in enumerate(tqdm(layers, desc=f"{method.name} layers", disable=not progress)):
+    for i, (layer, mlp, s, score, n_remove) in enumerate(zip(layers, mlps, stats, scores, removals)):
+        result = method.select(mlp, s, n_remove, score)
+        adapter.set_mlp(layer, result.mlp)
+        per_layer.append({"layer": i, "removed": n_remove, **result.info})
+        kept.append(result.keep.tolist())
+    return per_layer, kept
+
+
+def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inputs: tuple, *, batch_size: int,
+                      chunk: int, seed: int, propagate: bool, progress: bool):
+    hidden, kwargs = inputs
+    per_layer, kept = [], []
+    for i, layer in enumerate(tqdm(adapter.layers(), desc=f"{method.name} layers", disable=not progress)):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
         problem = LayerProblem(
@@ -108,7 +166,6 @@ def prune_model(
             del out  # the dense outputs are not needed: keep at most two activation copies alive
             out = replay(layer, hidden, layer_kwargs, batch_size)[0]
         hidden = out
-        per_layer.append({"layer": i, **result.info})
+        per_layer.append({"layer": i, "removed": plan.n_remove, **result.info})
         kept.append(result.keep.tolist())
-    adapter.set_config_width(plan.width - plan.n_remove)
-    return {"seconds": time.perf_counter() - t0, "layers": per_layer, "kept_channels": kept}
+    return per_layer, kept

@@ -1,5 +1,5 @@
 """Pruning methods, all registered under one interface (``Method.prune(LayerProblem)``)."""
-from .base import METHODS, LayerProblem, Method, PruneResult, get_method, gram, register
-from . import spap  # noqa: F401  (registers "spap")
+from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, gram, register
+from . import fasp, scores, spap  # noqa: F401  (importing registers the methods)
 
-__all__ = ["METHODS", "LayerProblem", "Method", "PruneResult", "get_method", "gram", "register"]
+__all__ = ["METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method", "gram", "register"]

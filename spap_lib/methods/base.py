@@ -62,6 +62,10 @@ def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None):
     return H if Y is None else (H, YZ)
 
 
+class Unsupported(ValueError):
+    """A method cannot prune this architecture (raised by ``Method.prepare``, before any work)."""
+
+
 @dataclass
 class PruneResult:
     mlp: MLP
@@ -76,6 +80,9 @@ class Method:
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
     # score dense weights do not need it, which lets a grid reuse dense statistics.
     propagates: bool = True
+
+    def prepare(self, adapter) -> None:
+        """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         raise NotImplementedError

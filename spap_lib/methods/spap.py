@@ -168,24 +168,94 @@ class SPAP(Method):
     lr: float = 1e-3  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
     batch_tokens: int = 2048  # tokens per Adam step
 
-    def prune(self, problem: LayerProblem) -> PruneResult:
-        dense, bias = problem.dense, problem.has_bias
-        W0 = get_out(dense)
+    def penalty_stage(self, problem: LayerProblem) -> tuple[MLP, torch.Tensor, dict]:
+        """Alg. 1 on the dense MLP: the kept channels and the refitted output projection."""
+        dense = problem.dense
         keep, W_keep, info = penalty_method(
-            W0, problem.H, problem.n_remove, bias=bias, rho0=self.rho0, tau=self.tau, t=self.t,
-            alpha=self.alpha, K=self.K, damp=self.damp,
+            get_out(dense), problem.H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
+            t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
         )
         mlp = dense.select(keep)
         set_out(mlp, W_keep)
+        return mlp, keep, info
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        mlp, keep, info = self.penalty_stage(problem)
         if self.am_iters > 0:
             # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
-            cols = torch.cat([keep, keep.new_tensor([dense.width])]) if bias else keep
+            cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
             H = problem.H[cols][:, cols]
-            YZ = W0.double() @ problem.H[:, cols]
+            YZ = get_out(problem.dense).double() @ problem.H[:, cols]
             mlp, history = alternating_update(
                 mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
                 seed=problem.seed + problem.layer_index,
+            )
+            info["rel_error_penalty"] = history[0]
+            info["rel_error_final"] = min(history)
+        return PruneResult(mlp=mlp, keep=keep, info=info)
+
+
+@register
+@dataclass
+class SPAPNoUpdate(SPAP):
+    """Ablation "SPAP w/o update" (paper Table 5): the penalty method (Alg. 1) and its least-squares
+    refit of the kept columns, without the alternating minimisation of §3.3."""
+
+    name = "spap_no_update"
+    am_iters: int = 0
+
+    def __post_init__(self):
+        if self.am_iters != 0:
+            raise ValueError("spap_no_update has no update stage: am_iters must be 0 (use method 'spap')")
+
+
+@torch.no_grad()
+def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
+    return sum(float((mlp(x) - y).double().pow(2).sum()) for x, y in zip(X.split(chunk), Y.split(chunk)))
+
+
+def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
+                    batch_tokens: int, chunk: int, seed: int) -> tuple[MLP, list[float]]:
+    """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
+    the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
+    YY = float(Y.double().pow(2).sum())
+    history = [calibration_error(mlp, X, Y, chunk) / YY]
+    best = (history[0], mlp.clone())
+    params = [w.requires_grad_(True) for w in [*mlp.W_in, mlp.W_out]]
+    params += [b.requires_grad_(True) for b in [*mlp.b_in, mlp.b_out] if b is not None]
+    opt = torch.optim.Adam(params, lr=lr)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(rounds):
+        for _ in range(steps):
+            idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
+            loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        history.append(calibration_error(mlp, X, Y, chunk) / YY)
+        if history[-1] < best[0]:
+            best = (history[-1], mlp.clone())
+    for p in params:
+        p.requires_grad_(False)
+    return best[1], history
+
+
+@register
+@dataclass
+class SPAPGD(SPAP):
+    """Ablation "SPAP w. GD" (paper Table 5): the penalty method, then plain gradient descent (Adam) on
+    all three projections instead of alternating minimisation, with the same budget as SPAP:
+    ``am_iters × adam_steps`` Adam steps, the same learning rate and batch, the best checkpoint kept."""
+
+    name = "spap_gd"
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        mlp, keep, info = self.penalty_stage(problem)
+        if self.am_iters > 0:
+            mlp, history = gradient_update(
+                mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps, lr=self.lr,
+                batch_tokens=self.batch_tokens, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
             )
             info["rel_error_penalty"] = history[0]
             info["rel_error_final"] = min(history)

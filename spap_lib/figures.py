@@ -1,0 +1,70 @@
+"""Figures and tables drawn only from result tables (CSV), so they regenerate without pruning."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from . import io
+
+ORDER = ["magnitude", "wanda_sp", "flap", "cfsp", "fasp", "spap_no_update", "spap_gd", "spap"]
+
+
+def _label_order(labels) -> list[str]:
+    def rank(label: str):
+        method = label.split("/")[0]
+        return (ORDER.index(method) if method in ORDER else len(ORDER), label)
+    return sorted(set(labels) - {"dense"}, key=rank)
+
+
+def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = None, ymax: float | None = None):
+    """The paper's Figure 2: WikiText-2 perplexity vs sparsity per method, one panel per model.
+
+    The dense model is the horizontal dashed line; ``ymax`` clips collapsed baselines (magnitude)
+    so the methods that matter stay readable. Written atomically; returns the figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    table = pd.read_csv(results_csv, keep_default_na=False)
+    if eval_seqlen is None:
+        eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
+    table = table[table["eval_seqlen"] == eval_seqlen]
+    models = list(dict.fromkeys(table["model"]))
+    sns.set_theme(style="whitegrid", context="notebook")
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        part = table[table["model"] == model]
+        pruned = part[part["label"] != "dense"]
+        sns.lineplot(data=pruned, x="sparsity", y="ppl", hue="label", style="label", markers=True, dashes=False,
+                     hue_order=_label_order(pruned["label"]), style_order=_label_order(pruned["label"]), ax=ax)
+        dense = part[part["label"] == "dense"]["ppl"]
+        if len(dense):
+            ax.axhline(float(dense.iloc[0]), color="k", ls="--", lw=1, label="dense")
+        ax.set_yscale("log")
+        readable = pruned["ppl"][pruned["ppl"] < 1e3]  # collapsed runs (ppl >= 1000) go off the top
+        top = ymax or (float(readable.max()) * 1.1 if len(readable) else None)
+        if top:
+            ax.set_ylim(top=top)
+        ax.set_title(f"{model} (WikiText-2, seqlen {eval_seqlen})")
+        ax.set_xlabel("sparsity (fraction of decoder parameters)")
+        ax.set_ylabel("perplexity (log scale)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    with io.atomic_file(out) as tmp:
+        fig.savefig(tmp, dpi=150, format=out.suffix.lstrip(".") or "png")
+    return fig
+
+
+def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.DataFrame:
+    """Perplexity per (model, method) × sparsity, methods in the paper's order."""
+    table = pd.read_csv(results_csv, keep_default_na=False)
+    if eval_seqlen is not None:
+        table = table[table["eval_seqlen"] == eval_seqlen]
+    wide = table.pivot_table(index=["model", "eval_seqlen", "label"], columns="sparsity", values="ppl")
+    order = {label: i for i, label in enumerate(["dense", *_label_order(table["label"])])}
+    return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)

@@ -1,0 +1,168 @@
+"""Calibrate once, prune many: the data flow of the ablation grid (``notebooks/03_ablate``).
+
+Per model, computed once and shared by every (method, sparsity) cell:
+* the calibration windows and the inputs of decoder layer 0 with every layer's kwargs (they depend
+  on the tokens and the attention/embedding weights, never on MLP channels);
+* the dense per-channel statistics and block angular distances that score methods (magnitude,
+  Wanda-SP, FLAP, CFSP) need: those methods do not propagate, so a cell costs no forward pass;
+* the tokenized evaluation text.
+Propagating methods (SPAP and its ablations, FASP) rerun layers 1… on their own pruned activations.
+Every cell starts from a copy of the dense model. Rows are written after every cell (atomically)
+and cells already in the table are skipped, so an interrupted grid resumes where it stopped.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+import yaml
+
+from . import api, io
+from .adapters import get_adapter
+from .capture import first_layer_inputs
+from .data import Calibration, tokenize, wikitext
+from .evaluate import perplexity_of_ids
+from .methods import Unsupported, get_method
+from .methods.scores import ScoreMethod
+from .models import Loaded
+from .pipeline import dense_stats
+
+# Columns that identify a cell: a row with the same values is not recomputed.
+KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A registered method with hyperparameters; ``label`` names it in tables and figures.
+
+    Labels are ``method`` or ``method/key=value,key=value`` (e.g. ``flap/allocation=uniform``).
+    """
+
+    label: str
+    method: str
+    hparams: dict
+
+    @classmethod
+    def parse(cls, label: str, base: dict | None = None) -> "Variant":
+        method, _, spec = label.partition("/")
+        hparams = dict((base or {}).get(method, {}))
+        for item in filter(None, spec.split(",")):
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"bad variant {label!r}: expected method/key=value[,key=value]")
+            hparams[key.strip()] = yaml.safe_load(value)
+        get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
+        return cls(label, method, hparams)
+
+
+class Grid:
+    def __init__(self, model_name: str, loaded: Loaded, calib: Calibration, *, batch_size: int = 1,
+                 chunk: int = 8192, seed: int = 0, progress: bool = True):
+        self.model_name, self.loaded, self.calib = model_name, loaded, calib
+        self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
+        self.dense = copy.deepcopy(loaded.model)  # pristine copy; every cell prunes a fresh deep copy
+        layers = loaded.adapter.layers()
+        self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
+        self._stats = None
+        self._eval_ids = None
+
+    @property
+    def stats(self):
+        if self._stats is None:
+            self._stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
+                                      chunk=self.chunk, progress=self.progress)
+        return self._stats
+
+    def eval_ids(self) -> tuple[torch.Tensor, str]:
+        if self._eval_ids is None:
+            text = wikitext("test")
+            self._eval_ids = (tokenize(self.loaded.tokenizer, text.text), text.source)
+        return self._eval_ids
+
+    def fresh(self) -> Loaded:
+        model = copy.deepcopy(self.dense)
+        return Loaded(model, self.loaded.tokenizer, get_adapter(model), self.loaded.source, self.loaded.device)
+
+    def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
+        algo = get_method(variant.method, **variant.hparams)
+        pruned = self.fresh()
+        stats = self.stats if isinstance(algo, ScoreMethod) and not algo.propagates else None
+        report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
+                           batch_size=self.batch_size, progress=self.progress, inputs=self.inputs, stats=stats)
+        return pruned, report
+
+    def perplexity(self, model, seqlen: int, windows: int | None) -> dict:
+        ids, source = self.eval_ids()
+        return {**perplexity_of_ids(model, ids, seqlen, windows, progress=self.progress), "source": source}
+
+
+def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, report: dict | None, ppl: dict,
+         windows: int | None) -> dict:
+    calib = grid.calib.describe()
+    sp = report["sparsity"] if report else {}
+    widths = sp.get("mlp_width", {}).get("pruned")
+    return {
+        "model": grid.model_name, "method": method, "label": label, "sparsity": float(sparsity),
+        "eval_seqlen": ppl["seqlen"], "eval_windows": windows if windows is not None else -1, "ppl": ppl["ppl"],
+        "achieved_sparsity": sp.get("achieved_decoder", 0.0), "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
+        "uniform_width": not isinstance(widths, list), "propagate": report["propagate"] if report else None,
+        "prune_seconds": report["seconds"] if report else 0.0,
+        "calib_split": calib["split"], "calib_source": calib["source"], "nsamples": calib["nsamples"],
+        "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"],
+        "hparams": json.dumps(hparams, sort_keys=True), "device": str(grid.loaded.device),
+    }
+
+
+def _done(table: pd.DataFrame, row: dict) -> bool:
+    if table.empty:
+        return False
+    match = pd.Series(True, index=table.index)
+    for k in KEY:
+        match &= table[k].astype(str) == str(row[k])
+    return bool(match.any())
+
+
+def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
+             eval_windows: int | None, results_csv: str | Path, resume: bool = True) -> pd.DataFrame:
+    """Every variant × sparsity on one model (plus the dense reference), one row per eval seqlen."""
+    path = Path(results_csv)
+    table = pd.read_csv(path, keep_default_na=False) if resume and path.is_file() else pd.DataFrame()
+
+    def add(rows: list[dict]) -> None:
+        nonlocal table
+        table = pd.concat([table, pd.DataFrame(rows)], ignore_index=True)
+        io.write_csv_atomic(path, table)
+
+    def probe(label, method, hparams, sparsity, seqlen):
+        calib = grid.calib.describe()
+        return {"model": grid.model_name, "label": label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
+                "eval_windows": eval_windows if eval_windows is not None else -1, "nsamples": calib["nsamples"],
+                "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
+
+    todo = [s for s in eval_seqlens if not _done(table, probe("dense", "dense", {}, 0.0, s))]
+    if todo:
+        add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, eval_windows), eval_windows)
+             for s in todo])
+    for sparsity in sparsities:
+        for v in variants:
+            todo = [s for s in eval_seqlens if not _done(table, probe(v.label, v.method, v.hparams, sparsity, s))]
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            try:
+                pruned, report = grid.prune(v, sparsity)
+            except Unsupported as err:  # refused before any work: say so, keep the grid going
+                print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
+                continue
+            add([_row(grid, v.label, v.method, v.hparams, sparsity, report,
+                      grid.perplexity(pruned.model, s, eval_windows), eval_windows) for s in todo])
+            if grid.progress:
+                print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            del pruned
+    return table

@@ -1,0 +1,35 @@
+"""FASP (Hu et al., 2025, arXiv:2501.09412): Wanda-style column score + least-squares restoration.
+
+Per MLP: score output-projection columns by ``S_j = Σ_i |W_ij|·‖Z_j‖₂`` (the Wanda metric summed
+over a column, FASP §3.2), remove the lowest with the matching input-projection rows, then refit the
+kept columns in closed form, ``W_K = Y Z_Kᵀ (Z_K Z_Kᵀ + δI)⁻¹`` (§3.3), from the Gram matrix. Layers
+are pruned in sequence on the activations of the already pruned ones, like SPAP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..linalg import lstsq_columns, mean_diag
+from .base import LayerProblem, Method, PruneResult, register
+from .spap import get_out, set_out
+
+
+@register
+@dataclass
+class FASP(Method):
+    name = "fasp"
+    damp: float = 1e-3  # δ = damp·mean(diag(Z Zᵀ)), the same damping as SPAP's solves
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        dense, H = problem.dense, problem.H
+        n = dense.width
+        xnorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()
+        score = dense.W_out.double().abs().sum(0) * xnorm
+        keep = torch.sort(torch.topk(score, n - problem.n_remove).indices).values
+        cols = torch.cat([keep, keep.new_tensor([n])]) if problem.has_bias else keep
+        W0 = get_out(dense).double()
+        mlp = dense.select(keep)
+        set_out(mlp, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])))
+        return PruneResult(mlp=mlp, keep=keep)

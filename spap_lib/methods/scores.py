@@ -1,0 +1,159 @@
+"""Score-and-remove baselines: a per-channel importance on the dense model, no weight update.
+
+They need only the dense model's per-channel statistics (``ChannelStats``), so they do not
+propagate pruned activations and an ablation grid computes those statistics once for all of them.
+Channel ``j`` is column ``j`` of the output projection ``W [d, n]`` and ``Z_j`` its input over the
+N calibration tokens. Scores: higher = more important; each layer keeps its highest-scoring channels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .. import allocation as alloc
+from ..adapters import MLP, Adapter
+from ..stats import ChannelStats
+from .base import LayerProblem, Method, PruneResult, Unsupported, register
+
+
+@dataclass
+class ScoreMethod(Method):
+    """Base class: ``score`` ranks channels, ``allocation`` spreads the budget over layers."""
+
+    propagates = False
+    allocations: ClassVar[tuple[str, ...]] = ("uniform",)  # which allocations a method supports
+
+    def __post_init__(self):
+        choice = getattr(self, "allocation", "uniform")
+        if choice not in type(self).allocations:
+            raise ValueError(f"method {self.name!r} supports allocation {' or '.join(type(self).allocations)}, "
+                             f"not {choice!r}")
+
+    def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish(self, mlp: MLP, keep: torch.Tensor, stats: ChannelStats) -> MLP:
+        """The pruned MLP (default: the kept channels, weights unchanged)."""
+        return mlp.select(keep)
+
+    def removals(self, scores: list[torch.Tensor], stats: list[ChannelStats], width: int, total: int) -> list[int]:
+        """Channels to remove per layer, summing to ``total``."""
+        choice = getattr(self, "allocation", "uniform")
+        if choice == "global":
+            return alloc.global_standardized(scores, total)
+        if choice == "angular":
+            return alloc.angular([s.angular for s in stats], width, total, a=self.a, scale=self.scale)
+        return [total // len(scores)] * len(scores)
+
+    def select(self, mlp: MLP, stats: ChannelStats, n_remove: int, score: torch.Tensor | None = None) -> PruneResult:
+        score = self.score(mlp, stats) if score is None else score
+        keep = torch.sort(torch.topk(score, mlp.width - n_remove).indices).values
+        return PruneResult(self.finish(mlp, keep, stats), keep, {})
+
+    def prune(self, problem: LayerProblem) -> PruneResult:
+        # Sequential (per-layer) path: uniform widths only; other allocations need every layer first.
+        if getattr(self, "allocation", "uniform") != "uniform":
+            raise ValueError(f"{self.name} with allocation={self.allocation!r} needs all layers' scores before "
+                             "pruning: run it on dense activations (propagate=False)")
+        return self.select(problem.dense, ChannelStats.of(problem.dense, problem.X, problem.chunk), problem.n_remove)
+
+
+@register
+@dataclass
+class Magnitude(ScoreMethod):
+    """Magnitude floor: ``‖W[:, j]‖₂`` of the output projection, no data, no update."""
+
+    name = "magnitude"
+
+    def score(self, mlp, stats):
+        return mlp.W_out.double().norm(dim=0)
+
+
+@register
+@dataclass
+class WandaSP(ScoreMethod):
+    """Structured Wanda (Sun et al., ICLR 2024, Eq. 1, summed over a column; Wanda-SP of An et al.,
+    AAAI 2024): ``S_j = Σ_i |W_ij| · ‖Z_j‖₂``. No update."""
+
+    name = "wanda_sp"
+    allocations = ("uniform", "global")
+    allocation: str = "uniform"  # FLAP's Wanda-SP baseline is uniform; "global" = one standardised threshold
+
+    def score(self, mlp, stats):
+        return mlp.W_out.double().abs().sum(0) * stats.norm
+
+
+@register
+@dataclass
+class FLAP(ScoreMethod):
+    """FLAP (An et al., AAAI 2024): fluctuation metric, Eq. 5 (WIFV) ``S_j = Var_t(Z_tj)·‖W[:, j]‖²``,
+    one global threshold over layer-standardised scores (§3.3), and bias compensation, Eq. 7: the
+    removed channels' mean contribution ``W[:, R] · mean(Z_R)`` is added to the output bias.
+
+    Models whose MLP has no output bias get one where stock transformers has a slot for it (Llama's
+    ``mlp_bias``, which also adds zero biases to gate/up, counted in the achieved sparsity); where it
+    has none (e.g. Gemma-3, Qwen2) ``bias=True`` is refused before any work: a checkpoint with an extra
+    bias would load without it, silently. ``bias=False`` gives FLAP's selection without compensation.
+    """
+
+    name = "flap"
+    allocations = ("uniform", "global")
+    allocation: str = "global"
+    bias: bool = True
+
+    def prepare(self, adapter: Adapter) -> None:
+        if not self.bias or adapter.has_out_bias():
+            return
+        if not adapter.can_add_out_bias():
+            raise Unsupported(
+                f"flap's bias compensation needs a bias on the MLP output projection, and "
+                f"{adapter.model.config.model_type!r} has no slot for one in stock transformers (a checkpoint "
+                "with an extra bias would load without it, silently). Pass hparams {'bias': False} for FLAP's "
+                "selection without compensation."
+            )
+        adapter.enable_out_bias()
+
+    def score(self, mlp, stats):
+        return stats.var * mlp.W_out.double().pow(2).sum(0)
+
+    def finish(self, mlp, keep, stats):
+        out = mlp.select(keep)
+        if self.bias:
+            removed = torch.ones(mlp.width, dtype=torch.bool, device=keep.device)
+            removed[keep] = False
+            shift = mlp.W_out.double()[:, removed] @ stats.mean[removed]
+            out.b_out = (shift if mlp.b_out is None else mlp.b_out.double() + shift).float()
+        return out
+
+
+@register
+@dataclass
+class CFSP(ScoreMethod):
+    """CFSP (Wang et al., COLING 2025), MLP only. Coarse: per-block budgets from the angular distance
+    between each block's input and output (§3.2, ``allocation="angular"``, controls ``a``/``scale``).
+    Fine (§3.3, Eq. 4, the official code's ``three_w_one_wa`` with b = c = 1): for every projection,
+    the relative importance of each weight within its channel, activation-weighted on the output side,
+
+        S_j = mean_i [ |W_ij|‖Z_j‖ / Σ_k |W_kj|‖Z_j‖ + Σ_p |P_ji| / Σ_k |P_jk| ] · ‖Z_j‖,
+
+    with ``P`` the input projections (gate, up; OPT: fc1). Each bracketed term is normalised within
+    channel j, so the bracket is the same for every channel and the ranking within a block is by
+    ‖Z_j‖ — exactly what the official code computes; the formula is kept literally for fidelity.
+    """
+
+    name = "cfsp"
+    allocations = ("uniform", "angular")
+    allocation: str = "angular"
+    a: float = 1.0  # sigmoid sharpness of the block allocation (CFSP's --a)
+    scale: float = 1e4  # divisor of the token-summed angular distances, as in CFSP's code
+
+    def score(self, mlp, stats):
+        xnorm = stats.norm
+        A = mlp.W_out.double().abs() * xnorm
+        rel = A / A.sum(0).clamp_min(1e-30)  # [d, n], normalised per channel (column)
+        for P in mlp.W_in:
+            P = P.double().abs()  # [n, d]: channel j is row j
+            rel = rel + (P / P.sum(1, keepdim=True).clamp_min(1e-30)).T
+        return rel.mean(0) * xnorm

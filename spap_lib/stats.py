@@ -1,0 +1,60 @@
+"""Per-channel statistics of the dense model, collected in one pass and shared by score methods.
+
+Score-based baselines (magnitude, Wanda-SP, FLAP, CFSP) look only at the dense model: their masks
+need ``‖Z_j‖``, the mean and variance of every intermediate channel ``Z_j``, and (CFSP) how much
+each decoder block turns the hidden state. All of it accumulates in O(n) memory per layer, so one
+dense pass serves every score method at every sparsity of an ablation grid.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .adapters import MLP
+
+
+@dataclass
+class ChannelStats:
+    """Sums over the N calibration tokens of one layer's MLP intermediate activations ``Z [N, n]``."""
+
+    N: int
+    z_sum: torch.Tensor  # Σ_t Z_tj                 [n], float64
+    z_sq: torch.Tensor  # Σ_t Z_tj²  (= diag Z Zᵀ)  [n], float64
+    angular: float | None = None  # Σ_t arccos(cos(h_in,t, h_out,t))/π of the decoder block (CFSP)
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """``‖Z_j‖₂`` over all calibration tokens."""
+        return self.z_sq.clamp_min(0).sqrt()
+
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.z_sum / self.N
+
+    @property
+    def var(self) -> torch.Tensor:
+        """Unbiased variance of each channel over tokens (FLAP's "fluctuation")."""
+        return ((self.z_sq - self.N * self.mean.pow(2)) / max(self.N - 1, 1)).clamp_min(0)
+
+    @classmethod
+    def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
+        n = mlp.width
+        z_sum = torch.zeros(n, dtype=torch.float64, device=X.device)
+        z_sq = torch.zeros(n, dtype=torch.float64, device=X.device)
+        with torch.no_grad():
+            for start in range(0, X.shape[0], chunk):
+                Z = mlp.hidden(X[start:start + chunk]).double()
+                z_sum += Z.sum(0)
+                z_sq += Z.pow(2).sum(0)
+        return cls(X.shape[0], z_sum, z_sq)
+
+
+def block_angular(h_in: torch.Tensor, h_out: torch.Tensor) -> float:
+    """Sum over tokens of the angle between a block's input and output hidden states, in units of π
+    (the block-influence metric CFSP allocates sparsity with; ShortGPT's angular distance)."""
+    a = h_in.reshape(-1, h_in.shape[-1]).double()
+    b = h_out.reshape(-1, h_out.shape[-1]).double()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)
+    return float(torch.arccos(cos).sum() / math.pi)

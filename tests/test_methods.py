@@ -1,0 +1,190 @@
+"""Every registered method on tiny random models, and the properties each one promises."""
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import spap_lib as sl
+from spap_lib import allocation
+from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.data import Calibration
+from spap_lib.methods import LayerProblem
+from spap_lib.pipeline import dense_stats
+from spap_lib.stats import ChannelStats
+
+FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
+HPARAMS = {"spap": FAST, "spap_gd": FAST, "spap_no_update": {"K": 5}}
+
+
+def _calib(windows):
+    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+
+
+def _hparams(method, arch):
+    extra = {"bias": False} if method == "flap" and arch in ("qwen2", "gemma3") else {}
+    return {**HPARAMS.get(method, {}), **extra}
+
+
+@pytest.mark.parametrize("method", sorted(sl.METHODS))
+def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, tiny_tokenizer, tmp_path):
+    """Same budget for every method; the saved checkpoint reloads to the same logits."""
+    loaded.tokenizer = tiny_tokenizer
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, _calib(windows), method, 0.3, hparams=_hparams(method, arch), progress=False)
+    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
+    assert sum(64 - w for w in widths) == plan.n_remove * len(widths)  # exactly the planned channels
+    assert all(w >= 1 for w in widths)
+    out = sl.save(loaded, report, tmp_path / "m")
+    if len(set(widths)) == 1:
+        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers
+    else:
+        assert json.loads((out / "config.json").read_text())["spap_mlp_widths"] == widths
+        reloaded = sl.load(str(out), device="cpu").model
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(windows).logits, loaded.model(windows).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_nonuniform_checkpoint_is_refused_by_stock_loading(tmp_path, windows, tiny_tokenizer):
+    """Per-layer widths cannot load silently wrong: stock from_pretrained refuses the shapes."""
+    from conftest import tiny_model
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    # scale is in token-summed angular distance; a few tokens need a small one to spread the widths
+    report = sl.prune(loaded, _calib(windows), "cfsp", 0.3, hparams={"scale": 1.0}, progress=False)
+    out = sl.save(loaded, report, tmp_path / "m")
+    assert isinstance(report["sparsity"]["mlp_width"]["pruned"], list)
+    with pytest.raises(Exception, match="(?i)size|shape|mismatch"):
+        AutoModelForCausalLM.from_pretrained(out)
+    reloaded = sl.load(str(out), device="cpu").model  # spap's loader re-applies the recorded widths
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(windows).logits, loaded.model(windows).logits, rtol=1e-5, atol=1e-5)
+
+
+def _layer_problem(loaded, windows, index=1):
+    hidden, kwargs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 4, "cpu")
+    for i, layer in enumerate(loaded.adapter.layers()[:index + 1]):
+        hidden_next, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 4,
+                                watch=loaded.adapter.mlp_input_module(layer))
+        hidden = hidden_next
+    return LayerProblem(dense=loaded.adapter.get_mlp(layer), X=X.float(), n_remove=20, layer_index=index)
+
+
+def test_flap_bias_compensation_keeps_the_mean_output(windows):
+    """FLAP adds the removed channels' mean contribution, so the pruned MLP's mean output over the
+    calibration tokens equals the dense one (and Llama checkpoints carry it via mlp_bias)."""
+    from conftest import tiny_model
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    problem = _layer_problem(loaded, windows)
+    flap = sl.get_method("flap", allocation="uniform")
+    pruned = flap.prune(problem).mlp
+    dense_mean, pruned_mean = problem.dense(problem.X).mean(0), pruned(problem.X).mean(0)
+    torch.testing.assert_close(pruned_mean, dense_mean, rtol=1e-4, atol=1e-4)
+    plain = sl.get_method("flap", allocation="uniform", bias=False).prune(problem).mlp
+    assert (plain(problem.X).mean(0) - dense_mean).abs().max() > 10 * (pruned_mean - dense_mean).abs().max()
+
+
+@pytest.mark.parametrize("arch_name", ["gemma3", "qwen2"])
+def test_flap_refuses_models_without_a_bias_slot_before_any_work(arch_name, windows, monkeypatch):
+    from conftest import tiny_model
+    from spap_lib import pipeline
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model(arch_name)
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    monkeypatch.setattr(pipeline, "first_layer_inputs", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(ValueError, match="no slot for one in stock transformers.*'bias': False"):
+        sl.prune(loaded, _calib(windows), "flap", 0.3, progress=False)
+
+
+def test_scores_match_their_formulas(loaded, windows):
+    problem = _layer_problem(loaded, windows)
+    mlp, X = problem.dense, problem.X
+    Z = mlp.hidden(X).double()
+    stats = ChannelStats.of(mlp, X)
+    torch.testing.assert_close(stats.norm, Z.norm(dim=0))
+    torch.testing.assert_close(stats.var, Z.var(dim=0))
+    W = mlp.W_out.double()
+    torch.testing.assert_close(sl.get_method("wanda_sp").score(mlp, stats), W.abs().sum(0) * Z.norm(dim=0))
+    torch.testing.assert_close(sl.get_method("flap").score(mlp, stats), Z.var(dim=0) * W.pow(2).sum(0))
+    torch.testing.assert_close(sl.get_method("magnitude").score(mlp, stats), W.norm(dim=0))
+    # CFSP's per-channel-normalised terms average to 1/d each: the ranking is that of ‖Z_j‖.
+    cfsp = sl.get_method("cfsp").score(mlp, stats)
+    torch.testing.assert_close(cfsp, (len(mlp.W_in) + 1) / W.shape[0] * Z.norm(dim=0))
+
+
+def test_fasp_refit_is_least_squares_on_the_kept_channels(loaded, windows):
+    problem = _layer_problem(loaded, windows)
+    result = sl.get_method("fasp", damp=0.0).prune(problem)
+    Z = problem.dense.hidden(problem.X)[:, result.keep].double()
+    if problem.has_bias:
+        Z = torch.cat([Z, torch.ones(len(Z), 1, dtype=Z.dtype)], 1)
+    W_ls = torch.linalg.lstsq(Z, problem.Y.double()).solution.T
+    got = torch.cat([result.mlp.W_out, result.mlp.b_out[:, None]], 1) if problem.has_bias else result.mlp.W_out
+    torch.testing.assert_close(got.double(), W_ls, rtol=1e-3, atol=1e-3)
+    xnorm = problem.dense.hidden(problem.X).norm(dim=0)
+    score = problem.dense.W_out.abs().sum(0) * xnorm
+    assert set(result.keep.tolist()) == set(torch.topk(score, 64 - 20).indices.tolist())
+
+
+def test_spap_ablations_share_the_penalty_stage(loaded, windows):
+    problem = _layer_problem(loaded, windows)
+    base = sl.get_method("spap", K=5, am_iters=0).prune(problem)
+    no_update = sl.get_method("spap_no_update", K=5).prune(problem)
+    assert torch.equal(base.keep, no_update.keep)
+    torch.testing.assert_close(base.mlp.W_out, no_update.mlp.W_out)
+    gd = sl.get_method("spap_gd", K=5, am_iters=3, adam_steps=2, batch_tokens=32).prune(problem)
+    assert torch.equal(gd.keep, base.keep)
+    assert gd.info["rel_error_final"] <= gd.info["rel_error_penalty"]
+    assert not torch.equal(gd.mlp.W_in[0], base.mlp.W_in[0]) or gd.info["rel_error_final"] == gd.info["rel_error_penalty"]
+    with pytest.raises(ValueError, match="no update stage"):
+        sl.get_method("spap_no_update", am_iters=3)
+
+
+def test_allocations_spend_exactly_the_budget():
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.rand(50, generator=gen) * (i + 1) for i in range(6)]
+    counts = allocation.global_standardized(scores, 180)
+    assert sum(counts) == 180 and all(c <= 49 for c in counts)
+    assert allocation.global_standardized(scores, 6 * 49) == [49] * 6  # everything but one per layer
+    imp = [100.0, 5000.0, 9000.0, 12000.0, 20000.0, 30000.0]
+    counts = allocation.angular(imp, 50, 120, scale=1e4)
+    assert sum(counts) == 120 and all(0 <= c <= 49 for c in counts)
+    assert counts == sorted(counts, reverse=True)  # the block that changes the state least loses most
+    assert allocation.angular([1.0] * 6, 50, 120) == [20] * 6  # equal importance: uniform
+
+
+def test_score_method_paths_agree(arch, windows):
+    """The dense-statistics path (grid) and the per-layer path give the same channels (uniform)."""
+    from conftest import tiny_model
+    from spap_lib.models import Loaded, ModelSource
+
+    def fresh():
+        model = tiny_model(arch)
+        return Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+
+    calib = _calib(windows)
+    a = sl.prune(fresh(), calib, "wanda_sp", 0.3, propagate=True, progress=False)  # per-layer path
+    b_loaded = fresh()
+    inputs = first_layer_inputs(b_loaded.model, b_loaded.adapter.layers(), windows, 1, "cpu")
+    stats = dense_stats(b_loaded.adapter, inputs, progress=False)
+    b = sl.prune(b_loaded, calib, "wanda_sp", 0.3, progress=False, inputs=inputs, stats=stats)
+    assert a["propagate"] and not b["propagate"]
+    assert a["kept_channels"][0] == b["kept_channels"][0]  # layer 0 sees the same inputs on both paths
+
+
+def test_unknown_method_or_allocation_is_explained():
+    with pytest.raises(ValueError, match="registered methods are .*cfsp.*fasp.*flap.*magnitude.*spap.*wanda_sp"):
+        sl.get_method("sparsegpt")
+    with pytest.raises(ValueError, match="supports allocation uniform or global"):
+        sl.get_method("wanda_sp", allocation="angular")
+    from spap_lib.grid import Variant
+
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        Variant.parse("flap/threshold=3")
+    assert Variant.parse("flap/allocation=uniform,bias=false").hparams == {"allocation": "uniform", "bias": False}
