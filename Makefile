@@ -10,7 +10,7 @@ RUN ?= runs/main
 CONFIG ?= configs/offline.yaml
 PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
 
-.PHONY: setup main test ablate figures clean
+.PHONY: setup main test smoke paper offline chain ablate figures clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,23 @@ main: setup
 	mkdir -p $(RUN)
 	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f $(CONFIG) -p run_dir $(RUN)
 	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f $(CONFIG) -p run_dir $(RUN)
+
+# The whole chain 01 -> 05 with one parameter file; executed notebooks and results land in $(RUN).
+#   make smoke    tiny CPU run (what CI executes, minutes)
+#   make offline  the real offline models here at measured CPU settings (hours on 2 cores)
+#   make paper    the paper's models and settings (GPU machine with hub access)
+NOTEBOOKS := 01_calibrate 02_prune 03_ablate 04_evaluate 05_profile
+chain: setup
+	mkdir -p $(RUN)
+	for nb in $(NOTEBOOKS); do \
+		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(CONFIG) -p run_dir $(RUN) || exit 1; \
+	done
+smoke:
+	$(MAKE) chain CONFIG=configs/smoke.yaml RUN=runs/smoke
+offline:
+	$(MAKE) chain CONFIG=configs/offline.yaml RUN=runs/offline
+paper:
+	$(MAKE) chain CONFIG=configs/paper.yaml RUN=runs/paper
 
 # The ablation grid on the offline real models (results/ablation.csv, figures/); resumes where it stopped.
 ABLATE_CONFIG ?= configs/ablate_offline.yaml

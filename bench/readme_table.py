@@ -1,6 +1,7 @@
-"""Render the committed benchmark table into README.md (between the results markers).
+"""Render committed result tables into README.md (between their markers).
 
-    python bench/readme_table.py bench/results/smollm2_spap.csv
+    python bench/readme_table.py bench/results/smollm2_spap.csv      # SPAP sweep   (results:start/end)
+    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end)
 """
 from __future__ import annotations
 
@@ -27,10 +28,22 @@ def render(csv: str) -> str:
     return table.round(digits).to_markdown(index=False)
 
 
+def render_ablation(csv: str) -> str:
+    """Perplexity per model/method (rows) and sparsity (columns), methods in the paper's order."""
+    from spap_lib.figures import headline
+
+    wide = headline(csv).round(2).reset_index().drop(columns="eval_seqlen")
+    wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
+    wide = wide.rename(columns={"0%": "dense"}).fillna("")
+    return wide.to_markdown(index=False)
+
+
 def main(csv: str) -> None:
+    start, end, body = (("<!-- ablation:start -->", "<!-- ablation:end -->", render_ablation(csv))
+                        if "ablation" in Path(csv).name else (START, END, render(csv)))
     text = README.read_text()
-    block = f"{START}\n{render(csv)}\n{END}"
-    write_text_atomic(README, re.sub(re.escape(START) + ".*?" + re.escape(END), block, text, flags=re.S))
+    block = f"{start}\n{body}\n{end}"
+    write_text_atomic(README, re.sub(re.escape(start) + ".*?" + re.escape(end), block, text, flags=re.S))
 
 
 if __name__ == "__main__":

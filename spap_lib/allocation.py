@@ -3,10 +3,10 @@
 The total is fixed by the sparsity plan (``layers · n_remove`` channels), so every allocation
 removes exactly the same number of parameters; only its spread over layers differs.
 * ``uniform``: the same count everywhere (stock-loadable checkpoints);
-* ``global``: FLAP's rule (An et al., AAAI 2024, §3.3): standardise each layer's scores to zero
-  mean and unit variance, then remove the globally lowest;
-* ``angular``: CFSP's coarse step (Wang et al., COLING 2025, §3.2): layers whose block turns the
-  hidden state less (smaller angular distance) keep fewer channels.
+* ``global``: FLAP's adaptive structure (An et al., AAAI 2024): standardise each layer's scores to
+  zero mean and unit variance, then remove the globally lowest;
+* ``angular``: CFSP's coarse step (Wang et al., 2024): layers whose block turns the hidden state
+  less (smaller angular distance) keep fewer channels.
 Every layer keeps at least one channel.
 """
 from __future__ import annotations

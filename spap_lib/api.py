@@ -68,14 +68,15 @@ def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_win
 
 def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
           hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool | None = None,
-          progress: bool = True, inputs: tuple | None = None, stats: list | None = None) -> dict:
+          progress: bool = True, inputs: tuple | None = None, stats: list | None = None,
+          round_to: int | None = None) -> dict:
     """Prune ``loaded.model`` in place. Validates everything before any work is done.
 
     ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     """
     algo = get_method(method, **(hparams or {}))
-    plan = plan_sparsity(loaded.adapter, sparsity)
+    plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     if calib.windows.numel() < plan.width:
         warnings.warn(
             f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
@@ -97,6 +98,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         "calibration": calib.describe(),
         "sparsity": {
             "requested": sparsity,
+            "round_to": round_to,
             "counted_over": "parameters inside decoder layers (attention, MLP, norms); "
                             "not embeddings, final norm or LM head",
             "mlp_share_of_decoder": plan.mlp_share,

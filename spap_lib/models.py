@@ -85,6 +85,22 @@ def _assembled_gguf(alias: str) -> ModelSource:
     return ModelSource(alias, "gguf", str(path.parent), path.name)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint(path: Path) -> None:
+    """A local checkpoint must be a causal LM with a tokenizer; say so before any loading or work."""
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is a directory without config.json: not a transformers checkpoint")
+    archs = json.loads((path / "config.json").read_text()).get("architectures") or []
+    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+        raise ValueError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
+                         "spap prunes and evaluates decoder-only causal LMs")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save it next to the "
+                                "weights with tokenizer.save_pretrained(path) (spap.save does this)")
+
+
 def resolve(name: str) -> ModelSource:
     """Turn what the user typed into a ``ModelSource`` (no network; may assemble a packaged GGUF)."""
     if name in PACKAGED_GGUF:
@@ -97,8 +113,7 @@ def resolve(name: str) -> ModelSource:
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a directory without config.json: not a transformers checkpoint")
+        check_checkpoint(path)
         return ModelSource(name, "dir", str(path.resolve()))
     if name.count("/") == 1 and not name.startswith((".", "/")) and not path.exists():
         return ModelSource(name, "hub", name)

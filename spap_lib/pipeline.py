@@ -52,7 +52,9 @@ class SparsityPlan:
         return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
 
 
-def plan_sparsity(adapter: Adapter, sparsity: float) -> SparsityPlan:
+def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
+    """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
+    the achieved sparsity then moves off the requested one and is reported as measured."""
     if not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
         raise ValueError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
     layers = adapter.layers()
@@ -63,6 +65,11 @@ def plan_sparsity(adapter: Adapter, sparsity: float) -> SparsityPlan:
     ppc = adapter.params_per_channel(layers[0])
     decoder = adapter.decoder_params()
     n_remove = round(sparsity * decoder / (len(layers) * ppc))
+    if round_to:
+        if not isinstance(round_to, int) or round_to < 1:
+            raise ValueError(f"round_to must be a positive integer (e.g. 8, 64, 128), got {round_to!r}")
+        keep = max(round_to, round((width - n_remove) / round_to) * round_to)
+        n_remove = max(0, width - keep)
     plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove)
     if n_remove >= width:
         raise ValueError(

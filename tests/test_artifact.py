@@ -42,3 +42,30 @@ def test_prune_notebook_keeps_the_parameter_contract():
 
 def test_calibrate_notebook_shares_parameter_names():
     assert {"model", "nsamples", "seqlen", "seed", "device", "run_dir"} <= set(_parameters("01_calibrate.ipynb"))
+
+
+def test_ablate_notebook_parameters():
+    params = _parameters("03_ablate.ipynb")
+    assert {"models", "methods", "sparsities", "method_hparams", "nsamples", "seqlen", "seed", "device",
+            "eval_seqlens", "eval_windows", "results_csv", "figure", "prune", "run_dir"} <= set(params)
+    assert all(p.annotation is not None for p in params.values())
+
+
+@pytest.mark.parametrize("notebook", ["04_evaluate.ipynb", "05_profile.ipynb"])
+def test_evaluate_and_profile_notebooks_share_the_chain_names(notebook):
+    params = _parameters(notebook)
+    assert {"model", "device", "run_dir", "results_csv"} <= set(params)
+    assert all(p.annotation is not None for p in params.values())
+
+
+def test_configs_give_every_notebook_consistent_parameters():
+    """One parameter file drives the whole chain; a name must not mean two things in two notebooks."""
+    import yaml
+
+    names = {nb: set(_parameters(nb)) for nb in ("01_calibrate.ipynb", "02_prune.ipynb", "03_ablate.ipynb",
+                                                  "04_evaluate.ipynb", "05_profile.ipynb")}
+    known = set().union(*names.values())
+    for config in ("smoke.yaml", "offline.yaml", "paper.yaml"):
+        keys = set(yaml.safe_load((REPO / "configs" / config).read_text()))
+        assert keys <= known, (config, keys - known)
+    assert "hparams" not in names["03_ablate.ipynb"]  # 02's hparams are SPAP's; 03's are per method

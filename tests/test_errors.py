@@ -94,3 +94,36 @@ def test_failed_write_leaves_nothing(tmp_path):
     with atomic_dir(target) as tmp:
         (tmp / "new").write_text("new")
     assert [p.name for p in tmp_path.iterdir()] == ["out"] and [p.name for p in target.iterdir()] == ["new"]
+
+
+def test_missing_task_data_names_the_directory(tmp_path):
+    from spap_lib import zeroshot
+
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}/piqa/validation.jsonl not found.*SPAP_DATA_DIR"):
+        zeroshot.local_configs(["piqa"], tmp_path, root=tmp_path)
+    with pytest.raises(ValueError, match="unknown task.*arc_easy"):
+        zeroshot.local_configs(["hellaswag"], tmp_path, root=tmp_path)
+
+
+def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path):
+    import json
+
+    from spap_lib.models import resolve
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    with pytest.raises(ValueError, match="BertForMaskedLM, not a causal language model"):
+        resolve(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        resolve(str(tmp_path))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert resolve(str(tmp_path)).kind == "dir"
+
+
+def test_round_to_keeps_a_multiple(loaded):
+    import spap_lib as sl
+
+    plan = sl.plan_sparsity(loaded.adapter, 0.3, round_to=16)
+    assert (plan.width - plan.n_remove) % 16 == 0
+    with pytest.raises(ValueError, match="round_to must be a positive integer"):
+        sl.plan_sparsity(loaded.adapter, 0.3, round_to=0.5)

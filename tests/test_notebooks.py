@@ -32,6 +32,31 @@ def test_calibrate_then_prune_chain(tmp_path):
     assert math.isfinite(ppl) and ppl < 3 * dense["perplexity"]["ppl"]
     assert (tmp_path / "pruned" / "config.json").is_file() and (tmp_path / "pruned" / "spap_manifest.json").is_file()
 
+    # 04: dense vs the checkpoint 02 wrote, perplexity + six zero-shot tasks (4 examples each)
+    import pandas as pd
+
+    pm.execute_notebook(NOTEBOOKS / "04_evaluate.ipynb", tmp_path / "04.ipynb",
+                        parameters={"run_dir": str(run), "checkpoint": str(tmp_path / "pruned"), "limit": 4},
+                        progress_bar=False, cwd=str(NOTEBOOKS))
+    zs = pd.read_csv(run / "zeroshot.csv")
+    assert set(zs["method"]) == {"dense", "spap"} and set(zs["sparsity"]) == {0.0, 0.2} and set(zs["limit"]) == {4}
+    tasks = {"arc_easy", "arc_challenge", "piqa", "openbookqa", "winogrande", "rte"}
+    assert set(zs["task"]) == tasks | {"wikitext2"}
+    acc = zs[zs["task"] != "wikitext2"]
+    assert acc["value"].between(0, 1).all() and (acc["n"] == 4).all() and set(acc["source"]) == {"local"}
+    ppl = zs[zs["task"] == "wikitext2"].set_index("method")["value"]
+    assert math.isclose(ppl["dense"], dense["perplexity"]["ppl"], rel_tol=1e-6)
+
+    # 05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64)
+    pm.execute_notebook(NOTEBOOKS / "05_profile.ipynb", tmp_path / "05.ipynb",
+                        parameters={"run_dir": str(run), "round_to": [None, 64], "new_tokens": 4, "repeats": 1},
+                        progress_bar=False, cwd=str(NOTEBOOKS))
+    prof = pd.read_csv(run / "profile.csv")
+    assert list(prof["variant"]) == ["dense", "20%", "20% r64"]
+    assert (prof["seconds_median"] > 0).all() and (prof["peak_mem_mb"] > 0).all()
+    assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:] > 1.1).all()
+    assert prof["weights_read"].iloc[2] % 1 == 0 and prof["round_to"].iloc[2] == 64
+
 
 def test_bad_parameter_fails_before_work(tmp_path):
     with pytest.raises(pm.PapermillExecutionError, match="unknown method"):
@@ -40,3 +65,28 @@ def test_bad_parameter_fails_before_work(tmp_path):
                                         "out_dir": str(tmp_path / "out")},
                             progress_bar=False, cwd=str(NOTEBOOKS))
     assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "dense.json").exists()
+
+
+@pytest.mark.slow
+def test_ablate_notebook_records_every_method_then_redraws_from_the_table(tmp_path):
+    import pandas as pd
+
+    run = tmp_path / "run"
+    params = {"run_dir": str(run), "results_csv": str(run / "ablation.csv"), "figure": str(run / "fig.png")}
+    pm.execute_notebook(NOTEBOOKS / "03_ablate.ipynb", tmp_path / "03.ipynb", parameters=params,
+                        progress_bar=False, cwd=str(NOTEBOOKS))
+    table = pd.read_csv(run / "ablation.csv")
+    methods = ["magnitude", "wanda_sp", "flap", "cfsp", "fasp", "spap_no_update", "spap_gd", "spap"]
+    assert set(table["label"]) == {"dense", *methods}
+    pruned = table[table["label"] != "dense"]
+    assert (pruned["sparsity"] == 0.2).all() and (pruned["achieved_sparsity"] - 0.2).abs().max() < 2e-3
+    assert pruned["ppl"].map(math.isfinite).all()
+    dense = float(table.loc[table["label"] == "dense", "ppl"].iloc[0])
+    assert (pruned.set_index("label")["ppl"] > dense).all()  # pruning costs something
+    assert json.loads((run / "ablation.manifest.json").read_text())["methods"] == methods
+    first = (run / "fig.png").read_bytes()
+    (run / "fig.png").unlink()
+    pm.execute_notebook(NOTEBOOKS / "03_ablate.ipynb", tmp_path / "03b.ipynb", parameters={**params, "prune": False,
+                        "models": ["not-a-model-because-nothing-is-loaded"]}, progress_bar=False, cwd=str(NOTEBOOKS))
+    assert (run / "fig.png").stat().st_size > 10_000 and len(first) > 10_000
+    assert pd.read_csv(run / "ablation.csv").equals(table)

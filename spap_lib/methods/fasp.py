@@ -1,9 +1,10 @@
 """FASP (Hu et al., 2025, arXiv:2501.09412): Wanda-style column score + least-squares restoration.
 
-Per MLP: score output-projection columns by ``S_j = Σ_i |W_ij|·‖Z_j‖₂`` (the Wanda metric summed
-over a column, FASP §3.2), remove the lowest with the matching input-projection rows, then refit the
-kept columns in closed form, ``W_K = Y Z_Kᵀ (Z_K Z_Kᵀ + δI)⁻¹`` (§3.3), from the Gram matrix. Layers
-are pruned in sequence on the activations of the already pruned ones, like SPAP.
+Per MLP: score output-projection columns by FASP's pruning metric ``S_j = Σ_i |W_ij|·‖Z_j‖₂`` (the
+Wanda metric summed over a column), remove the lowest together with the matching input-projection
+rows, then apply FASP's restoration step: the kept columns refitted in closed form,
+``W_K = Y Z_Kᵀ (Z_K Z_Kᵀ + δI)⁻¹``, from the Gram matrix. Layers are pruned in sequence on the
+activations of the already pruned ones, like SPAP (whose t = 0 score is exactly this metric).
 """
 from __future__ import annotations
 

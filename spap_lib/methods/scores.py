@@ -74,8 +74,8 @@ class Magnitude(ScoreMethod):
 @register
 @dataclass
 class WandaSP(ScoreMethod):
-    """Structured Wanda (Sun et al., ICLR 2024, Eq. 1, summed over a column; Wanda-SP of An et al.,
-    AAAI 2024): ``S_j = Σ_i |W_ij| · ‖Z_j‖₂``. No update."""
+    """Wanda-SP, the structured Wanda baseline of FLAP (An et al., AAAI 2024): Wanda's metric
+    ``|W_ij|·‖X_j‖₂`` (Sun et al., ICLR 2024) summed over a column, ``S_j = Σ_i |W_ij| · ‖Z_j‖₂``. No update."""
 
     name = "wanda_sp"
     allocations = ("uniform", "global")
@@ -88,9 +88,10 @@ class WandaSP(ScoreMethod):
 @register
 @dataclass
 class FLAP(ScoreMethod):
-    """FLAP (An et al., AAAI 2024): fluctuation metric, Eq. 5 (WIFV) ``S_j = Var_t(Z_tj)·‖W[:, j]‖²``,
-    one global threshold over layer-standardised scores (§3.3), and bias compensation, Eq. 7: the
-    removed channels' mean contribution ``W[:, R] · mean(Z_R)`` is added to the output bias.
+    """FLAP (An et al., "Fluctuation-based Adaptive Structured Pruning for LLMs", AAAI 2024): the
+    weighted input-feature variance metric (WIFV) ``S_j = Var_t(Z_tj)·‖W[:, j]‖²``; the adaptive
+    structure: one global threshold over layer-standardised scores; and the baseline bias
+    compensation: the removed channels' mean contribution ``W[:, R] · mean_t(Z_tR)`` joins the bias.
 
     Models whose MLP has no output bias get one where stock transformers has a slot for it (Llama's
     ``mlp_bias``, which also adds zero biases to gate/up, counted in the achieved sparsity); where it
@@ -131,10 +132,12 @@ class FLAP(ScoreMethod):
 @register
 @dataclass
 class CFSP(ScoreMethod):
-    """CFSP (Wang et al., COLING 2025), MLP only. Coarse: per-block budgets from the angular distance
-    between each block's input and output (§3.2, ``allocation="angular"``, controls ``a``/``scale``).
-    Fine (§3.3, Eq. 4, the official code's ``three_w_one_wa`` with b = c = 1): for every projection,
-    the relative importance of each weight within its channel, activation-weighted on the output side,
+    """CFSP (Wang et al., "CFSP: An Efficient Structured Pruning Framework for LLMs with Coarse-to-Fine
+    Activation Information", 2024), MLP only. Coarse: per-block budgets from the angular distance
+    between each block's input and output (``allocation="angular"``, controls ``a``/``scale``).
+    Fine: the within-block score (the official code's default ``three_w_one_wa``, b = c = 1): for every
+    projection, the relative importance of each weight within its channel, activation-weighted on the
+    output side,
 
         S_j = mean_i [ |W_ij|‖Z_j‖ / Σ_k |W_kj|‖Z_j‖ + Σ_p |P_ji| / Σ_k |P_jk| ] · ‖Z_j‖,
 

@@ -100,6 +100,17 @@ def set_out(mlp: MLP, W: torch.Tensor) -> None:
         mlp.W_out = W.float().contiguous()
 
 
+def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
+                  steps: int, batch_tokens: int) -> None:
+    """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens."""
+    for _ in range(steps):
+        idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
+        loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+
 def alternating_update(
     mlp: MLP,
     X: torch.Tensor,
@@ -123,29 +134,44 @@ def alternating_update(
     """
     YY = float(Y.double().pow(2).sum())
     n = mlp.width
-    W_aug = get_out(mlp)
-    history = [reconstruction_error(W_aug, H, YZ, YY) / YY]
-    best = (history[0], mlp.clone())
-    params = [w.requires_grad_(True) for w in mlp.W_in] + [b.requires_grad_(True) for b in mlp.b_in if b is not None]
+    start = reconstruction_error(get_out(mlp), H, YZ, YY) / YY
+
+    def closed_form_out() -> float:
+        H, YZ = gram(mlp, X, chunk, Y)
+        delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
+        W_aug = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device))
+        set_out(mlp, W_aug)
+        return reconstruction_error(W_aug, H, YZ, YY) / YY
+
+    params = [*mlp.W_in, *(b for b in mlp.b_in if b is not None)]
+    return optimise_rounds(mlp, X, Y, params, start, closed_form_out, rounds=iters, steps=adam_steps, lr=lr,
+                           batch_tokens=batch_tokens, seed=seed)
+
+
+def optimise_rounds(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, params: list[torch.Tensor], start_error: float,
+                    after_round, *, rounds: int, steps: int, lr: float, batch_tokens: int,
+                    seed: int) -> tuple[MLP, list[float]]:
+    """``rounds`` × (``steps`` Adam steps on ``params``, then ``after_round()`` → relative error).
+
+    Shared by SPAP's alternating update and the SPAP-w.-GD ablation. Returns the iterate with the
+    lowest calibration error, the starting one included, and the error history.
+    """
+    history = [start_error]
+    best = (start_error, mlp.clone())
+    for p in params:
+        p.requires_grad_(True)
     opt = torch.optim.Adam(params, lr=lr)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for _ in range(iters):
-        for _ in range(adam_steps):
-            idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
-            loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        with torch.no_grad():
-            H, YZ = gram(mlp, X, chunk, Y)
-            delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
-            W_aug = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device))
-            set_out(mlp, W_aug)
-            history.append(reconstruction_error(W_aug, H, YZ, YY) / YY)
-        if history[-1] < best[0]:
-            best = (history[-1], mlp.clone())
-    for p in params:
-        p.requires_grad_(False)
+    try:
+        for _ in range(rounds):
+            adam_steps_on(mlp, X, Y, opt, gen, steps, batch_tokens)
+            with torch.no_grad():
+                history.append(after_round())
+            if history[-1] < best[0]:
+                best = (history[-1], mlp.clone())
+    finally:
+        for p in params:
+            p.requires_grad_(False)
     return best[1], history
 
 
@@ -220,25 +246,10 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, 
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
     YY = float(Y.double().pow(2).sum())
-    history = [calibration_error(mlp, X, Y, chunk) / YY]
-    best = (history[0], mlp.clone())
-    params = [w.requires_grad_(True) for w in [*mlp.W_in, mlp.W_out]]
-    params += [b.requires_grad_(True) for b in [*mlp.b_in, mlp.b_out] if b is not None]
-    opt = torch.optim.Adam(params, lr=lr)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for _ in range(rounds):
-        for _ in range(steps):
-            idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
-            loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        history.append(calibration_error(mlp, X, Y, chunk) / YY)
-        if history[-1] < best[0]:
-            best = (history[-1], mlp.clone())
-    for p in params:
-        p.requires_grad_(False)
-    return best[1], history
+    params = [*mlp.W_in, mlp.W_out, *(b for b in [*mlp.b_in, mlp.b_out] if b is not None)]
+    return optimise_rounds(mlp, X, Y, params, calibration_error(mlp, X, Y, chunk) / YY,
+                           lambda: calibration_error(mlp, X, Y, chunk) / YY, rounds=rounds, steps=steps, lr=lr,
+                           batch_tokens=batch_tokens, seed=seed)
 
 
 @register

@@ -1,0 +1,119 @@
+"""Inference profile (paper Table 4): time to generate N tokens and peak memory, dense vs pruned.
+
+Decoding one token reads every decoder weight and the LM head once, so removing a share ``r`` of
+those bytes bounds the speedup by ``1 / (1 − r)`` (the bytes bound). Timings: CUDA events and peak
+allocated memory on a GPU; wall clock and the peak resident set of a fresh process on CPU (each
+model is profiled in its own spawned process, so one model's peak does not hide another's; the
+peak is reset after loading and warm-up, so it is what generation needs: weights, activations, KV).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+from .adapters import get_adapter
+
+
+def weights_read_per_token(model) -> int:
+    """Parameters a decoding step reads: the decoder layers, the final norm and the LM head
+    (the embedding lookup reads one row, so a tied embedding counts once, as the head)."""
+    adapter = get_adapter(model)
+    decoder = adapter.decoder_params()
+    head = model.get_output_embeddings().weight.numel()
+    norm = sum(p.numel() for n, p in model.named_parameters() if "norm" in n and ".layers." not in n)
+    return decoder + head + norm
+
+
+def bytes_bound(dense_read: int, pruned_read: int) -> float:
+    return dense_read / pruned_read
+
+
+@torch.no_grad()
+def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, warmup: int) -> dict:
+    """Greedy generation of exactly ``new_tokens`` tokens; median and spread over ``repeats`` runs."""
+    device = prompt.device
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                  pad_token_id=0)
+    for _ in range(warmup):
+        model.generate(prompt, **kwargs)
+    times = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.generate(prompt, **kwargs)
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        reset_peak_rss()  # weights are resident after warm-up; the peak adds activations and KV cache
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(prompt, **kwargs)
+            times.append(time.perf_counter() - t0)
+        peak = peak_rss_mb()
+    return {"seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
+            "seconds_all": times, "peak_mem_mb": peak}
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's resident-set high-water mark (Linux), so the peak covers generation only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set of this process: VmHWM on Linux (per address space, so a spawned child does
+    not inherit its parent's peak the way ``ru_maxrss`` does across exec), ru_maxrss elsewhere."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**10  # kB
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def _child(queue, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int, threads: int | None):
+    try:
+        from .models import load
+
+        if threads:
+            torch.set_num_threads(threads)
+        loaded = load(**load_args)
+        gen = torch.Generator().manual_seed(0)
+        vocab = loaded.model.get_input_embeddings().weight.shape[0]
+        prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(loaded.device)
+        result = time_generation(loaded.model, prompt, new_tokens, repeats, warmup)
+        queue.put({**result, "weights_read": weights_read_per_token(loaded.model),
+                   "device": str(loaded.device), "threads": torch.get_num_threads()})
+    except Exception as err:  # report to the parent instead of dying silently
+        queue.put({"error": f"{type(err).__name__}: {err}"})
+
+
+def profile(model: str, *, device: str = "auto", dtype: str = "auto", prompt_len: int = 32, new_tokens: int = 1024,
+            repeats: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
+    """Profile one model (alias or checkpoint dir) in a fresh process; returns timings and memory."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, {"name": model, "device": device, "dtype": dtype}, prompt_len,
+                                            new_tokens, repeats, warmup, threads))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"profiling {model} failed: {result['error']}")
+    return result

@@ -1,0 +1,133 @@
+"""Zero-shot accuracy with lm-eval on the paper's six tasks, online or from the data directory.
+
+Offline, each task runs from a generated config that ``include``s lm-eval's own stock config (same
+prompt, target, choices and metrics as the paper's numbers) and only swaps the dataset for the local
+JSON lines in ``$SPAP_DATA_DIR/<task>/`` (already in the Hugging Face field layout, see each
+SOURCE.md). With no local copy the stock task reads the hub. The in-memory model is evaluated
+directly (``HFLM(pretrained=model, tokenizer=tokenizer)``): no checkpoint round trip.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from .data import data_dir
+
+
+@dataclass(frozen=True)
+class Task:
+    stock: str  # lm-eval's config, relative to lm_eval/tasks
+    split: str  # the split the stock config evaluates
+    file: str  # local file holding that split, in $SPAP_DATA_DIR/<task>/
+
+
+TASKS: dict[str, Task] = {
+    "arc_easy": Task("arc/arc_easy.yaml", "test", "test.jsonl"),
+    "arc_challenge": Task("arc/arc_challenge.yaml", "test", "test.jsonl"),
+    "piqa": Task("piqa/piqa.yaml", "validation", "validation.jsonl"),
+    "openbookqa": Task("openbookqa/openbookqa.yaml", "test", "test.jsonl"),
+    "winogrande": Task("winogrande/default.yaml", "validation", "dev.jsonl"),
+    "rte": Task("glue/rte/default.yaml", "validation", "validation.jsonl"),
+}
+# The metric each task contributes to the Table-3 mean: length-normalised accuracy where lm-eval
+# defines it for the task's multiple-choice format and the paper family (FLAP, LLM-Pruner, SliceGPT)
+# reports it (ARC-c, OpenBookQA), plain accuracy elsewhere. Both are in the long table.
+SUMMARY_METRIC = {"arc_easy": "acc", "arc_challenge": "acc_norm", "piqa": "acc", "openbookqa": "acc_norm",
+                  "winogrande": "acc", "rte": "acc"}
+LOCAL_PREFIX = "spap_local_"
+
+
+def _stock_dir() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def check_tasks(tasks: list[str]) -> None:
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}: spap knows {', '.join(TASKS)}")
+
+
+def local_configs(tasks: list[str], out_dir: str | Path, root: Path | None = None, hub: bool = False) -> dict[str, str]:
+    """Write one config per task whose data is in ``root`` (default ``$SPAP_DATA_DIR``).
+
+    Returns {task: name to pass to lm-eval}. A task without local files runs the stock (hub) task
+    when ``hub`` is allowed; otherwise a clear error names the directory it looked in.
+    """
+    check_tasks(tasks)
+    root = Path(root) if root else data_dir()
+    out_dir = Path(out_dir)
+    names = {}
+    for name in tasks:
+        task = TASKS[name]
+        local = root / name / task.file
+        if not local.is_file():
+            if hub:
+                names[name] = name
+                continue
+            raise FileNotFoundError(
+                f"task {name!r}: {local} not found and the hub is not used. Put the {task.split} split there "
+                f"as JSON lines in the Hugging Face field layout (see ../shared/data/{name}/SOURCE.md), set "
+                f"SPAP_DATA_DIR to a directory that has it, or allow the hub (hub=True)."
+            )
+        config = {
+            "include": str(_stock_dir() / task.stock),
+            "task": LOCAL_PREFIX + name,
+            "tag": [],
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {task.split: str(local.resolve())}},
+            "training_split": None,
+            "validation_split": task.split if task.split == "validation" else None,
+            "test_split": task.split if task.split == "test" else None,
+        }
+        (out_dir / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        names[name] = LOCAL_PREFIX + name
+    return names
+
+
+def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
+             hub: bool = False, seed: int = 0) -> list[dict]:
+    """Tidy rows ``{task, metric, value, stderr, n, source}`` for every metric lm-eval reports."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    if tokenizer is None:
+        raise ValueError("zero-shot evaluation needs the model's tokenizer (the checkpoint has none)")
+    with tempfile.TemporaryDirectory(prefix="spap_tasks_") as tmp:
+        names = local_configs(tasks, tmp, hub=hub)
+        manager = TaskManager(include_path=tmp)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        out = simple_evaluate(model=lm, tasks=list(names.values()), task_manager=manager, limit=limit,
+                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed, log_samples=False)
+    rows = []
+    for task, name in names.items():
+        res = out["results"][name]
+        n = out.get("n-samples", {}).get(name, {}).get("effective")
+        for key, value in res.items():
+            metric, _, filt = key.partition(",")
+            if metric in ("acc", "acc_norm"):
+                rows.append({"task": task, "metric": metric, "value": float(value),
+                             "stderr": float(res.get(f"{metric}_stderr,{filt}", "nan")) if
+                             isinstance(res.get(f"{metric}_stderr,{filt}"), (int, float)) else float("nan"),
+                             "n": n, "source": "local" if name.startswith(LOCAL_PREFIX) else "hub"})
+    return rows
+
+
+def table3(table):
+    """The paper's Table 3 layout from tidy rows: perplexities, then per-task accuracy (%, the task's
+    ``SUMMARY_METRIC``) and their mean, one row per (model, method, sparsity)."""
+    index = ["model", "method", "sparsity"]
+    zs = table[table["task"].isin(list(TASKS))]
+    picked = zs[[SUMMARY_METRIC[t] == m for t, m in zip(zs["task"], zs["metric"])]]
+    acc = picked.pivot_table(index=index, columns="task", values="value") * 100
+    acc = acc[[t for t in TASKS if t in acc.columns]]
+    acc["mean"] = acc.mean(axis=1)
+    ppl = table[table["task"] == "wikitext2"].pivot_table(index=index, columns="metric", values="value")
+    return (ppl.join(acc, how="outer") if len(ppl) else acc).round(2)

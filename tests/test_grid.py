@@ -1,0 +1,66 @@
+"""The ablation grid: calibrate once, prune many, resume, and figures drawn from the table only."""
+import pandas as pd
+import pytest
+import torch
+
+import spap_lib.grid as grid_mod
+from spap_lib.data import Calibration
+from spap_lib.figures import figure2, headline
+from spap_lib.grid import Grid, Variant, run_grid
+from spap_lib.models import Loaded, ModelSource
+
+
+def _grid(arch, tokenizer, windows):
+    from conftest import tiny_model
+    from spap_lib.adapters import get_adapter
+
+    model = tiny_model(arch)
+    loaded = Loaded(model, tokenizer, get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    return Grid(f"tiny-{arch}", loaded, calib, progress=False)
+
+
+def test_grid_shares_dense_statistics_and_resumes(tiny_tokenizer, windows, tmp_path, monkeypatch):
+    calls = []
+    real = grid_mod.dense_stats
+    monkeypatch.setattr(grid_mod, "dense_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = _grid("llama", tiny_tokenizer, windows)
+    variants = [Variant.parse(v, {"spap": {"K": 3, "am_iters": 1, "adam_steps": 1, "batch_tokens": 16}})
+                for v in ["magnitude", "wanda_sp", "flap/allocation=uniform", "cfsp", "fasp", "spap"]]
+    csv = tmp_path / "ablation.csv"
+    table = run_grid(g, variants, [0.2, 0.4], [16], 2, csv)
+    assert len(calls) == 1  # four score methods x two sparsities, one dense pass
+    assert len(table) == 1 + 6 * 2 and set(table["label"]) == {"dense", *(v.label for v in variants)}
+    pruned = table[table["label"] != "dense"]
+    assert pruned.groupby("sparsity")["mlp_channel_ratio"].nunique().eq(1).all()  # one budget for all
+    assert set(pruned[pruned["method"].isin(["fasp", "spap"])]["propagate"]) == {True}
+    assert set(pruned[pruned["method"].isin(["magnitude", "wanda_sp", "flap", "cfsp"])]["propagate"]) == {False}
+    assert pruned["ppl"].map(lambda p: 1 < p < float("inf")).all()
+    # Resume: nothing left to do, so nothing is pruned again and no row is added.
+    monkeypatch.setattr(Grid, "prune", lambda *a, **k: pytest.fail("recomputed a finished cell"))
+    again = run_grid(g, variants, [0.2, 0.4], [16], 2, csv)
+    assert len(again) == len(table)
+    assert len(pd.read_csv(csv)) == len(table)
+
+
+def test_grid_skips_unsupported_cells_with_a_reason(tiny_tokenizer, windows, tmp_path, capsys):
+    g = _grid("gemma3", tiny_tokenizer, windows)
+    table = run_grid(g, [Variant.parse("flap"), Variant.parse("flap/bias=false")], [0.2], [16], 2, tmp_path / "t.csv")
+    assert list(table["label"]) == ["dense", "flap/bias=false"]
+    assert "flap: skipped" in capsys.readouterr().out
+
+
+def test_figure_and_table_come_from_the_csv_alone(tmp_path):
+    rows = [{"model": m, "label": label, "method": label.split("/")[0], "sparsity": s, "eval_seqlen": 512,
+             "ppl": base * (1 + s) * (10 if label == "magnitude" else 1)}
+            for m, base in (("a", 20.0), ("b", 30.0))
+            for label, sps in (("dense", [0.0]), ("magnitude", [0.1, 0.2]), ("spap", [0.1, 0.2]),
+                               ("flap/allocation=uniform", [0.1, 0.2]))
+            for s in sps]
+    csv = tmp_path / "r.csv"
+    pd.DataFrame(rows).to_csv(csv, index=False)
+    fig = figure2(csv, tmp_path / "fig.png")
+    assert (tmp_path / "fig.png").stat().st_size > 10_000 and len(fig.axes) == 2
+    wide = headline(csv)
+    assert list(wide.loc[("a", 512)].index) == ["dense", "magnitude", "flap/allocation=uniform", "spap"]
+    assert wide.loc[("b", 512, "spap"), 0.2] == pytest.approx(36.0)
