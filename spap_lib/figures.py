@@ -35,24 +35,31 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     table = table[table["eval_seqlen"] == eval_seqlen]
     models = list(dict.fromkeys(table["model"]))
     sns.set_theme(style="whitegrid", context="notebook")
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    labels = _label_order(table["label"])
+    palette = dict(zip(labels, sns.color_palette("tab10" if len(labels) <= 10 else "tab20", len(labels))))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2.5, 4.2), squeeze=False)
     for ax, model in zip(axes[0], models):
         part = table[table["model"] == model]
         pruned = part[part["label"] != "dense"]
+        present = [lab for lab in labels if lab in set(pruned["label"])]
         sns.lineplot(data=pruned, x="sparsity", y="ppl", hue="label", style="label", markers=True, dashes=False,
-                     hue_order=_label_order(pruned["label"]), style_order=_label_order(pruned["label"]), ax=ax)
+                     hue_order=present, style_order=present, palette=palette, ax=ax, legend="brief")
         dense = part[part["label"] == "dense"]["ppl"]
         if len(dense):
             ax.axhline(float(dense.iloc[0]), color="k", ls="--", lw=1, label="dense")
+            ax.set_ylim(bottom=float(dense.iloc[0]) * 0.9)
         ax.set_yscale("log")
         readable = pruned["ppl"][pruned["ppl"] < 1e3]  # collapsed runs (ppl >= 1000) go off the top
         top = ymax or (float(readable.max()) * 1.1 if len(readable) else None)
         if top:
             ax.set_ylim(top=top)
-        ax.set_title(f"{model} (WikiText-2, seqlen {eval_seqlen})")
-        ax.set_xlabel("sparsity (fraction of decoder parameters)")
-        ax.set_ylabel("perplexity (log scale)")
-        ax.legend(fontsize=8)
+        ticks = sorted(set(pruned["sparsity"]))
+        ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
+        ax.set_title(f"{model}")
+        ax.set_xlabel("sparsity (share of decoder-layer parameters)")
+        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen} (log)")
+        handles, names = ax.get_legend_handles_labels()
+        ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
     out = Path(out)
     with io.atomic_file(out) as tmp:

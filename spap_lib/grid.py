@@ -91,7 +91,8 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        stats = self.stats if isinstance(algo, ScoreMethod) and not algo.propagates else None
+        dense_only = isinstance(algo, ScoreMethod) and not algo.propagates
+        stats = self.stats if dense_only or getattr(algo, "allocation", "uniform") != "uniform" else None
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, progress=self.progress, inputs=self.inputs, stats=stats)
         return pruned, report

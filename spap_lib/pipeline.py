@@ -118,7 +118,8 @@ def prune_model(
 
     ``propagate`` (default: the method's own setting) calibrates layer i+1 on the outputs of the
     pruned layer i (SPAP, FASP) instead of the dense one. Score methods without propagation work
-    from dense statistics only (``stats``, computed here unless given): one pass, any allocation.
+    from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
+    ``allocation`` is decided on dense statistics before the first layer is pruned.
     ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
     Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
     every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
@@ -129,13 +130,16 @@ def prune_model(
     layers = adapter.layers()
     if inputs is None:
         inputs = first_layer_inputs(model, layers, windows, batch_size, device)
+    uniform = getattr(method, "allocation", "uniform") == "uniform"
+    if stats is None and (not uniform or (isinstance(method, ScoreMethod) and not propagate)):
+        stats = dense_stats(adapter, inputs, batch_size=batch_size, chunk=chunk, progress=progress)
     if isinstance(method, ScoreMethod) and not propagate:
-        if stats is None:
-            stats = dense_stats(adapter, inputs, batch_size=batch_size, chunk=chunk, progress=progress)
         per_layer, kept = _prune_from_stats(adapter, method, plan, stats)
     else:
-        per_layer, kept = _prune_sequential(adapter, method, plan, inputs, batch_size=batch_size, chunk=chunk,
-                                            seed=seed, propagate=propagate, progress=progress)
+        removals = None if uniform else method.removals(
+            [adapter.get_mlp(layer) for layer in layers], stats, plan.width, plan.n_remove * len(layers))
+        per_layer, kept = _prune_sequential(adapter, method, plan, inputs, removals, batch_size=batch_size,
+                                            chunk=chunk, seed=seed, propagate=propagate, progress=progress)
     adapter.set_config_width([len(k) for k in kept])
     return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept}
 
@@ -144,7 +148,7 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, plan: SparsityPlan,
     layers = adapter.layers()
     mlps = [adapter.get_mlp(layer) for layer in layers]
     scores = [method.score(mlp, s) for mlp, s in zip(mlps, stats)]
-    removals = method.removals(scores, stats, plan.width, plan.n_remove * len(layers))
+    removals = method.removals(mlps, stats, plan.width, plan.n_remove * len(layers), scores)
     per_layer, kept = [], []
     for i, (layer, mlp, s, score, n_remove) in enumerate(zip(layers, mlps, stats, scores, removals)):
         result = method.select(mlp, s, n_remove, score)
@@ -154,15 +158,17 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, plan: SparsityPlan,
     return per_layer, kept
 
 
-def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inputs: tuple, *, batch_size: int,
-                      chunk: int, seed: int, propagate: bool, progress: bool):
+def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inputs: tuple,
+                      removals: list[int] | None, *, batch_size: int, chunk: int, seed: int, propagate: bool,
+                      progress: bool):
     hidden, kwargs = inputs
+    removals = removals or [plan.n_remove] * len(adapter.layers())
     per_layer, kept = [], []
     for i, layer in enumerate(tqdm(adapter.layers(), desc=f"{method.name} layers", disable=not progress)):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
         problem = LayerProblem(
-            dense=adapter.get_mlp(layer), X=X.float(), n_remove=plan.n_remove, chunk=chunk, seed=seed,
+            dense=adapter.get_mlp(layer), X=X.float(), n_remove=removals[i], chunk=chunk, seed=seed,
             layer_index=i,
         )
         result = method.prune(problem)
@@ -173,6 +179,6 @@ def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inpu
             del out  # the dense outputs are not needed: keep at most two activation copies alive
             out = replay(layer, hidden, layer_kwargs, batch_size)[0]
         hidden = out
-        per_layer.append({"layer": i, "removed": plan.n_remove, **result.info})
+        per_layer.append({"layer": i, "removed": removals[i], **result.info})
         kept.append(result.keep.tolist())
     return per_layer, kept

@@ -188,3 +188,21 @@ def test_unknown_method_or_allocation_is_explained():
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         Variant.parse("flap/threshold=3")
     assert Variant.parse("flap/allocation=uniform,bias=false").hparams == {"allocation": "uniform", "bias": False}
+
+
+@pytest.mark.parametrize("choice", ["global", "angular"])
+def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp_path):
+    """SPAP can take non-uniform budgets (decided on dense statistics) and still spend exactly the plan."""
+    from conftest import tiny_model
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": choice}, progress=False)
+    removed = [layer["removed"] for layer in report["layers"]]
+    assert sum(removed) == plan.n_remove * 3 and report["propagate"]
+    out = sl.save(loaded, report, tmp_path / "m")
+    with torch.no_grad():
+        torch.testing.assert_close(sl.load(str(out), device="cpu").model(windows).logits,
+                                   loaded.model(windows).logits, rtol=1e-5, atol=1e-5)

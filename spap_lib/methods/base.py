@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
 import torch
 
+from .. import allocation as alloc
 from ..adapters import MLP
 from ..linalg import augment, check_finite
 
@@ -80,6 +82,30 @@ class Method:
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
     # score dense weights do not need it, which lets a grid reuse dense statistics.
     propagates: bool = True
+    # How the channel budget may be spread over layers (a method's ``allocation`` field picks one).
+    allocations: ClassVar[tuple[str, ...]] = ("uniform",)
+
+    def validate(self) -> None:
+        choice = getattr(self, "allocation", "uniform")
+        if choice not in self.allocations:
+            raise ValueError(f"method {self.name!r} supports allocation {' or '.join(self.allocations)}, "
+                             f"not {choice!r}")
+
+    def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
+        """Per-channel importance on dense statistics, for ``allocation="global"``."""
+        raise NotImplementedError
+
+    def removals(self, mlps: list[MLP], stats: list, width: int, total: int,
+                 scores: list[torch.Tensor] | None = None) -> list[int]:
+        """Channels to remove per layer, summing to ``total`` (``stats``: dense ``ChannelStats``)."""
+        choice = getattr(self, "allocation", "uniform")
+        if choice == "global":
+            scores = scores or [self.allocation_scores(m, s) for m, s in zip(mlps, stats)]
+            return alloc.global_standardized(scores, total)
+        if choice == "angular":
+            return alloc.angular([s.angular for s in stats], width, total, a=getattr(self, "a", 1.0),
+                                 scale=getattr(self, "scale", 1e4))
+        return [total // len(mlps)] * len(mlps)
 
     def prepare(self, adapter) -> None:
         """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""
@@ -109,4 +135,6 @@ def get_method(name: str, **hparams) -> Method:
         raise ValueError(
             f"unknown hyperparameter(s) {sorted(unknown)} for method {name!r}; it takes {sorted(known)}"
         )
-    return cls(**hparams)
+    method = cls(**hparams)
+    method.validate()
+    return method

@@ -8,11 +8,9 @@ N calibration tokens. Scores: higher = more important; each layer keeps its high
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from .. import allocation as alloc
 from ..adapters import MLP, Adapter
 from ..stats import ChannelStats
 from .base import LayerProblem, Method, PruneResult, Unsupported, register
@@ -23,29 +21,16 @@ class ScoreMethod(Method):
     """Base class: ``score`` ranks channels, ``allocation`` spreads the budget over layers."""
 
     propagates = False
-    allocations: ClassVar[tuple[str, ...]] = ("uniform",)  # which allocations a method supports
-
-    def __post_init__(self):
-        choice = getattr(self, "allocation", "uniform")
-        if choice not in type(self).allocations:
-            raise ValueError(f"method {self.name!r} supports allocation {' or '.join(type(self).allocations)}, "
-                             f"not {choice!r}")
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
         raise NotImplementedError
 
+    def allocation_scores(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
+        return self.score(mlp, stats)
+
     def finish(self, mlp: MLP, keep: torch.Tensor, stats: ChannelStats) -> MLP:
         """The pruned MLP (default: the kept channels, weights unchanged)."""
         return mlp.select(keep)
-
-    def removals(self, scores: list[torch.Tensor], stats: list[ChannelStats], width: int, total: int) -> list[int]:
-        """Channels to remove per layer, summing to ``total``."""
-        choice = getattr(self, "allocation", "uniform")
-        if choice == "global":
-            return alloc.global_standardized(scores, total)
-        if choice == "angular":
-            return alloc.angular([s.angular for s in stats], width, total, a=self.a, scale=self.scale)
-        return [total // len(scores)] * len(scores)
 
     def select(self, mlp: MLP, stats: ChannelStats, n_remove: int, score: torch.Tensor | None = None) -> PruneResult:
         score = self.score(mlp, stats) if score is None else score
@@ -53,10 +38,7 @@ class ScoreMethod(Method):
         return PruneResult(self.finish(mlp, keep, stats), keep, {})
 
     def prune(self, problem: LayerProblem) -> PruneResult:
-        # Sequential (per-layer) path: uniform widths only; other allocations need every layer first.
-        if getattr(self, "allocation", "uniform") != "uniform":
-            raise ValueError(f"{self.name} with allocation={self.allocation!r} needs all layers' scores before "
-                             "pruning: run it on dense activations (propagate=False)")
+        # Sequential (per-layer) path, used when propagating: statistics of this layer's own inputs.
         return self.select(problem.dense, ChannelStats.of(problem.dense, problem.X, problem.chunk), problem.n_remove)
 
 

@@ -193,6 +193,13 @@ class SPAP(Method):
     adam_steps: int = 10  # Adam steps on the input projections per round
     lr: float = 1e-3  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
     batch_tokens: int = 2048  # tokens per Adam step
+    # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
+    # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
+    allocation: str = "uniform"
+    allocations = ("uniform", "global", "angular")
+
+    def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
+        return column_scores(mlp.W_out.double(), stats.norm, self.t)
 
     def penalty_stage(self, problem: LayerProblem) -> tuple[MLP, torch.Tensor, dict]:
         """Alg. 1 on the dense MLP: the kept channels and the refitted output projection."""
