@@ -52,7 +52,9 @@ def main(argv=None) -> None:
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--sparsity", type=float, default=0.2)
-    ap.add_argument("--which", choices=["penalty", "update", "both"], default="both")
+    ap.add_argument("--which", choices=["penalty", "update", "both", "methods"], default="both",
+                    help="'methods': compare the registered methods in --methods at the base point")
+    ap.add_argument("--methods", default="spap,spap_gd", help="with --which methods")
     ap.add_argument("--base", default="", help="overrides of the base point, e.g. t=0.5,K=20")
     ap.add_argument("--grid", default="", help="replace the update grid, e.g. 'lr=1e-3,3e-3;am_iters=5,20'")
     ap.add_argument("--out", default="bench/results/tune.csv")
@@ -78,9 +80,12 @@ def main(argv=None) -> None:
         grids += [({**base, "am_iters": 0, k: v}, "penalty", k) for k, vs in PENALTY_GRID.items() for v in vs]
     if args.which in ("update", "both"):
         grids += [({**base, k: v}, "update", k) for k, vs in update_grid.items() for v in vs]
+    if args.which == "methods":
+        grids = [({**base, "method": m}, "methods", "method") for m in args.methods.split(",")]
     rows = []
     for hp, stage, varied in grids:
-        method = sl.get_method("spap", **hp)
+        name = hp.get("method", "spap")
+        method = sl.get_method(name, **{k: v for k, v in hp.items() if k != "method"})
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             t0 = time.perf_counter()
