@@ -132,26 +132,34 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
              eval_windows: int | None, results_csv: str | Path, resume: bool = True) -> pd.DataFrame:
     """Every variant × sparsity on one model (plus the dense reference), one row per eval seqlen."""
     path = Path(results_csv)
-    table = pd.read_csv(path, keep_default_na=False) if resume and path.is_file() else pd.DataFrame()
+    # Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours.
+    table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
 
     def add(rows: list[dict]) -> None:
         nonlocal table
-        table = pd.concat([table, pd.DataFrame(rows)], ignore_index=True)
+        new = pd.DataFrame(rows)
+        if not table.empty:
+            same = table[KEY].astype(str).apply(tuple, axis=1).isin(new[KEY].astype(str).apply(tuple, axis=1))
+            table = table[~same]
+        table = pd.concat([table, new], ignore_index=True)
         io.write_csv_atomic(path, table)
 
-    def probe(label, method, hparams, sparsity, seqlen):
+    def probe(label, hparams, sparsity, seqlen):
         calib = grid.calib.describe()
         return {"model": grid.model_name, "label": label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
                 "eval_windows": eval_windows if eval_windows is not None else -1, "nsamples": calib["nsamples"],
                 "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
 
-    todo = [s for s in eval_seqlens if not _done(table, probe("dense", "dense", {}, 0.0, s))]
+    def _todo(label, hparams, sparsity):
+        return [s for s in eval_seqlens if not (resume and _done(table, probe(label, hparams, sparsity, s)))]
+
+    todo = _todo("dense", {}, 0.0)
     if todo:
         add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, eval_windows), eval_windows)
              for s in todo])
     for sparsity in sparsities:
         for v in variants:
-            todo = [s for s in eval_seqlens if not _done(table, probe(v.label, v.method, v.hparams, sparsity, s))]
+            todo = _todo(v.label, v.hparams, sparsity)
             if not todo:
                 continue
             t0 = time.perf_counter()

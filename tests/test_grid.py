@@ -41,6 +41,10 @@ def test_grid_shares_dense_statistics_and_resumes(tiny_tokenizer, windows, tmp_p
     again = run_grid(g, variants, [0.2, 0.4], [16], 2, csv)
     assert len(again) == len(table)
     assert len(pd.read_csv(csv)) == len(table)
+    # resume=False recomputes the cells asked for and replaces their rows, keeping every other row.
+    monkeypatch.undo()
+    redo = run_grid(g, variants[:1], [0.2], [16], 2, csv, resume=False)
+    assert len(redo) == len(table) and len(pd.read_csv(csv)) == len(table)
 
 
 def test_grid_skips_unsupported_cells_with_a_reason(tiny_tokenizer, windows, tmp_path, capsys):
