@@ -29,13 +29,16 @@ def render(csv: str) -> str:
 
 
 def render_ablation(csv: str) -> str:
-    """Perplexity per model/method (rows) and sparsity (columns), methods in the paper's order."""
+    """Perplexity per model/method (rows) and sparsity (columns), methods in the paper's order; the
+    model column says how many 512-token test windows were scored."""
     from spap_lib.figures import headline
 
+    windows = pd.read_csv(csv).groupby("model")["eval_windows"].max()
     wide = headline(csv).round(2).reset_index().drop(columns="eval_seqlen")
+    wide["model"] = [f"{m} ({windows[m]} windows)" for m in wide["model"]]
     wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
-    wide = wide.rename(columns={"0%": "dense"}).fillna("")
-    return wide.to_markdown(index=False)
+    wide = wide.rename(columns={"0%": "dense"}).astype(object)
+    return wide.where(wide.notna(), "").to_markdown(index=False)
 
 
 def main(csv: str) -> None:
