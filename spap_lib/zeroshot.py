@@ -113,9 +113,9 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
         for key, value in res.items():
             metric, _, filt = key.partition(",")
             if metric in ("acc", "acc_norm"):
+                stderr = res.get(f"{metric}_stderr,{filt}")  # "N/A" when lm-eval cannot compute one
                 rows.append({"task": task, "metric": metric, "value": float(value),
-                             "stderr": float(res.get(f"{metric}_stderr,{filt}", "nan")) if
-                             isinstance(res.get(f"{metric}_stderr,{filt}"), (int, float)) else float("nan"),
+                             "stderr": float(stderr) if isinstance(stderr, (int, float)) else float("nan"),
                              "n": n, "source": "local" if name.startswith(LOCAL_PREFIX) else "hub"})
     return rows
 
