@@ -28,9 +28,8 @@ from .capture import first_layer_inputs
 from .data import Calibration, tokenize, wikitext
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method
-from .methods.scores import ScoreMethod
 from .models import Loaded
-from .pipeline import dense_stats
+from .pipeline import dense_stats, needs_dense_stats
 
 # Columns that identify a cell: a row with the same values is not recomputed.
 KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
@@ -91,8 +90,7 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        dense_only = isinstance(algo, ScoreMethod) and not algo.propagates
-        stats = self.stats if dense_only or getattr(algo, "allocation", "uniform") != "uniform" else None
+        stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, progress=self.progress, inputs=self.inputs, stats=stats)
         return pruned, report

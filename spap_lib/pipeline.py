@@ -98,6 +98,13 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: 
     return stats
 
 
+def needs_dense_stats(method: Method, propagate: bool) -> bool:
+    """Dense statistics are used by score methods that do not propagate, and by any non-uniform
+    allocation (decided before the first layer is pruned)."""
+    dense_scores = isinstance(method, ScoreMethod) and not propagate
+    return dense_scores or getattr(method, "allocation", "uniform") != "uniform"
+
+
 def prune_model(
     model: torch.nn.Module,
     adapter: Adapter,
@@ -131,7 +138,7 @@ def prune_model(
     if inputs is None:
         inputs = first_layer_inputs(model, layers, windows, batch_size, device)
     uniform = getattr(method, "allocation", "uniform") == "uniform"
-    if stats is None and (not uniform or (isinstance(method, ScoreMethod) and not propagate)):
+    if stats is None and needs_dense_stats(method, propagate):
         stats = dense_stats(adapter, inputs, batch_size=batch_size, chunk=chunk, progress=progress)
     if isinstance(method, ScoreMethod) and not propagate:
         per_layer, kept = _prune_from_stats(adapter, method, plan, stats)
