@@ -77,7 +77,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     """
     algo = get_method(method, **(hparams or {}))
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
-    if calib.windows.numel() < plan.width:
+    if algo.fits and calib.windows.numel() < plan.width:
         warnings.warn(
             f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
             f"steps are underdetermined and overfit the calibration set; use nsamples x seqlen >= {4 * plan.width}",

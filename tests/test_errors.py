@@ -127,3 +127,28 @@ def test_round_to_keeps_a_multiple(loaded):
     assert (plan.width - plan.n_remove) % 16 == 0
     with pytest.raises(ValueError, match="round_to must be a positive integer"):
         sl.plan_sparsity(loaded.adapter, 0.3, round_to=0.5)
+
+
+def test_underdetermined_fit_warns_only_for_methods_that_fit():
+    """Fewer calibration tokens than MLP channels make a least-squares refit underdetermined:
+    SPAP is warned about it, a score-only method (nothing is fitted) is not."""
+    import warnings
+
+    from spap_lib.adapters import get_adapter
+    from spap_lib.models import Loaded, ModelSource
+    from conftest import tiny_model
+
+    calib = Calibration(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)),
+                        torch.arange(2), "v", "s", 1, 0)  # 32 tokens < width 64
+
+    def run(method):
+        model = tiny_model("llama")
+        loaded = Loaded(model, None, get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sl.prune(loaded, calib, method, 0.2, hparams={"K": 2, "am_iters": 1, "adam_steps": 1}
+                     if method == "spap" else None, progress=False)
+        return [str(w.message) for w in caught if "underdetermined" in str(w.message)]
+
+    assert run("spap") and "nsamples x seqlen >= 256" in run("spap")[0]
+    assert run("magnitude") == [] and run("wanda_sp") == []

@@ -21,6 +21,7 @@ class ScoreMethod(Method):
     """Base class: ``score`` ranks channels, ``allocation`` spreads the budget over layers."""
 
     propagates = False
+    fits = False  # scores only (FLAP's bias compensation is a mean, not a fit)
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
         raise NotImplementedError
