@@ -117,3 +117,27 @@ def profile(model: str, *, device: str = "auto", dtype: str = "auto", prompt_len
     if "error" in result:
         raise RuntimeError(f"profiling {model} failed: {result['error']}")
     return result
+
+
+def profile_rounds(sources: dict[str, str], *, rounds: int = 1, **kwargs) -> dict[str, dict]:
+    """Profile every model ``rounds`` times, alternating the order each round (A B C, C B A, ...), and pool
+    the timed runs per model. Slow drift of the machine (other tenants, thermal state) then lands on every
+    model alike instead of on whichever ran last; a fresh process per model and round keeps peaks apart.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    pooled: dict[str, dict] = {}
+    for k in range(rounds):
+        for label in (list(sources) if k % 2 == 0 else list(sources)[::-1]):
+            res = profile(sources[label], **kwargs)
+            if label in pooled:
+                pooled[label]["seconds_all"] += res["seconds_all"]
+                pooled[label]["peak_mem_mb"] = max(pooled[label]["peak_mem_mb"], res["peak_mem_mb"])
+            else:
+                pooled[label] = res
+    for res in pooled.values():
+        times = res["seconds_all"]
+        res.update(seconds_median=statistics.median(times), seconds_min=min(times), seconds_max=max(times),
+                   runs=len(times))
+    return {label: pooled[label] for label in sources}
+

@@ -49,11 +49,13 @@ def test_calibrate_then_prune_chain(tmp_path):
 
     # 05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64)
     pm.execute_notebook(NOTEBOOKS / "05_profile.ipynb", tmp_path / "05.ipynb",
-                        parameters={"run_dir": str(run), "round_to": [None, 64], "new_tokens": 4, "repeats": 1},
+                        parameters={"run_dir": str(run), "round_to": [None, 64], "new_tokens": 4, "repeats": 1,
+                                    "rounds": 2},
                         progress_bar=False, cwd=str(NOTEBOOKS))
     prof = pd.read_csv(run / "profile.csv")
     assert list(prof["variant"]) == ["dense", "20%", "20% r64"]
     assert (prof["seconds_median"] > 0).all() and (prof["peak_mem_mb"] > 0).all()
+    assert (prof["runs"] == 2).all() and (prof["seconds_min"] <= prof["seconds_max"]).all()
     assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:] > 1.1).all()
     assert prof["weights_read"].iloc[2] % 1 == 0 and prof["round_to"].iloc[2] == 64
 
