@@ -9,6 +9,8 @@ export SPAP_DATA_DIR
 RUN ?= runs/main
 CONFIG ?= configs/offline.yaml
 PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
+# Extra papermill arguments for chain/ablate, e.g. ARGS="-p resume False" to recompute the grid from scratch.
+ARGS ?=
 
 .PHONY: setup main test smoke paper offline chain ablate figures clean
 
@@ -38,7 +40,7 @@ NOTEBOOKS := 01_calibrate 02_prune 03_ablate 04_evaluate 05_profile
 chain: setup
 	mkdir -p $(RUN)
 	for nb in $(NOTEBOOKS); do \
-		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(CONFIG) -p run_dir $(RUN) || exit 1; \
+		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(CONFIG) -p run_dir $(RUN) $(ARGS) || exit 1; \
 	done
 smoke:
 	$(MAKE) chain CONFIG=configs/smoke.yaml RUN=runs/smoke
@@ -51,7 +53,7 @@ paper:
 ABLATE_CONFIG ?= configs/ablate_offline.yaml
 ablate: setup
 	mkdir -p runs/ablate
-	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f $(ABLATE_CONFIG)
+	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f $(ABLATE_CONFIG) $(ARGS)
 
 # Redraw Figure 2 and the headline table from the committed results table only (no pruning).
 figures: setup
