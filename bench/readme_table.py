@@ -2,6 +2,8 @@
 
     python bench/readme_table.py bench/results/smollm2_spap.csv      # SPAP sweep   (results:start/end)
     python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end)
+    python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
+    python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
 """
 from __future__ import annotations
 
@@ -41,9 +43,35 @@ def render_ablation(csv: str) -> str:
     return wide.where(wide.notna(), "").to_markdown(index=False)
 
 
+def render_zeroshot(csv: str) -> str:
+    """Table 3: perplexities, then accuracy (%) per task with the metric the paper reports, and the mean;
+    the header says how many examples per task were scored."""
+    from spap_lib.zeroshot import table3
+
+    df = pd.read_csv(csv)
+    limit = df["limit"].dropna().unique()
+    table = table3(df).reset_index()
+    table.columns = [c.replace("ppl@", "ppl @ ") for c in table.columns]
+    note = f"limit {', '.join(str(int(x)) for x in limit)} examples per task" if len(limit) else "every example"
+    return f"({note}; accuracy in %)\n\n" + table.to_markdown(index=False)
+
+
+def render_profile(csv: str) -> str:
+    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "seconds_median", "seconds_min",
+            "seconds_max", "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
+    df = pd.read_csv(csv)
+    return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)
+
+
+RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile}
+
+
 def main(csv: str) -> None:
-    start, end, body = (("<!-- ablation:start -->", "<!-- ablation:end -->", render_ablation(csv))
-                        if "ablation" in Path(csv).name else (START, END, render(csv)))
+    kind = next((k for k in RENDERERS if k in Path(csv).name), None)
+    start, end, body = ((f"<!-- {kind}:start -->", f"<!-- {kind}:end -->", RENDERERS[kind](csv))
+                        if kind else (START, END, render(csv)))
+    if start not in README.read_text():
+        raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
     text = README.read_text()
     block = f"{start}\n{body}\n{end}"
     write_text_atomic(README, re.sub(re.escape(start) + ".*?" + re.escape(end), block, text, flags=re.S))

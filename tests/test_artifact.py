@@ -69,3 +69,29 @@ def test_configs_give_every_notebook_consistent_parameters():
         keys = set(yaml.safe_load((REPO / "configs" / config).read_text()))
         assert keys <= known, (config, keys - known)
     assert "hparams" not in names["03_ablate.ipynb"]  # 02's hparams are SPAP's; 03's are per method
+    # 05 builds shape-only variants with its own `variant_method`; 02's `method: spap` must not reach it
+    assert "method" not in names["05_profile.ipynb"] and "variant_method" in names["05_profile.ipynb"]
+
+
+# The committed tables the README and figures are made from: the columns the issues ask for, a
+# manifest beside each (versions, revision, parameters), and no half-written rows.
+RESULT_COLUMNS = {
+    "ablation.csv": {"model", "method", "sparsity", "eval_seqlen", "ppl", "achieved_sparsity", "prune_seconds",
+                     "calib_source"},
+    "zeroshot.csv": {"model", "method", "sparsity", "task", "metric", "value", "limit"},
+    "profile.csv": {"model", "method", "sparsity", "device", "new_tokens", "seconds_median", "peak_mem_mb",
+                    "speedup", "bytes_bound"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESULT_COLUMNS))
+def test_committed_result_tables(name):
+    import pandas as pd
+
+    path = REPO / "results" / name
+    table = pd.read_csv(path)
+    assert RESULT_COLUMNS[name] <= set(table.columns), RESULT_COLUMNS[name] - set(table.columns)
+    assert len(table) and not table[sorted(RESULT_COLUMNS[name] - {"limit"})].isna().any().any()
+    assert table["sparsity"].between(0, 1, inclusive="left").all()
+    manifest = json.loads(path.with_suffix(".manifest.json").read_text())
+    assert manifest["git_revision"] and manifest["versions"]["torch"].startswith("2.13.0")
