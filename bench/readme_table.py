@@ -57,7 +57,7 @@ def render_zeroshot(csv: str) -> str:
 
 
 def render_profile(csv: str) -> str:
-    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "seconds_median", "seconds_min",
+    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "runs", "seconds_median", "seconds_min",
             "seconds_max", "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
     df = pd.read_csv(csv)
     return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)

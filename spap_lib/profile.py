@@ -140,4 +140,3 @@ def profile_rounds(sources: dict[str, str], *, rounds: int = 1, **kwargs) -> dic
         res.update(seconds_median=statistics.median(times), seconds_min=min(times), seconds_max=max(times),
                    runs=len(times))
     return {label: pooled[label] for label in sources}
-
