@@ -8,6 +8,7 @@ A model is given as
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -158,6 +159,11 @@ class Loaded:
     adapter: Adapter
     source: ModelSource
     device: torch.device
+
+    def copy(self) -> Loaded:
+        """A deep copy of the model (tokenizer and source shared): prune many variants from one load."""
+        model = copy.deepcopy(self.model)
+        return Loaded(model, self.tokenizer, get_adapter(model), self.source, self.device)
 
 
 def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:

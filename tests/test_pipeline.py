@@ -122,3 +122,14 @@ def test_without_propagation_layers_see_dense_activations(loaded, windows):
     plan = sl.plan_sparsity(ad, 0.3)
     expected = sl.get_method("spap", **hp).prune(LayerProblem(ad.get_mlp(layer), X.float(), plan.n_remove))
     assert report["kept_channels"][last] == expected.keep.tolist()
+
+
+def test_pruning_a_copy_leaves_the_loaded_model_alone(loaded, windows):
+    with torch.no_grad():
+        before = loaded.model(windows).logits
+    copied = loaded.copy()
+    sl.prune(copied, _calib(windows), "magnitude", 0.3, progress=False)
+    assert copied.adapter.width(copied.adapter.layers()[0]) < loaded.adapter.width(loaded.adapter.layers()[0])
+    assert copied.tokenizer is loaded.tokenizer and copied.source is loaded.source
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(windows).logits, before, rtol=0, atol=0)
