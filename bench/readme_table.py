@@ -70,9 +70,9 @@ def main(csv: str) -> None:
     kind = next((k for k in RENDERERS if k in Path(csv).name), None)
     start, end, body = ((f"<!-- {kind}:start -->", f"<!-- {kind}:end -->", RENDERERS[kind](csv))
                         if kind else (START, END, render(csv)))
-    if start not in README.read_text():
-        raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
     text = README.read_text()
+    if start not in text:
+        raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
     block = f"{start}\n{body}\n{end}"
     write_text_atomic(README, re.sub(re.escape(start) + ".*?" + re.escape(end), block, text, flags=re.S))
 

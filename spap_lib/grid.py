@@ -12,7 +12,6 @@ and cells already in the table are skipped, so an interrupted grid resumes where
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ import torch
 import yaml
 
 from . import api, io
-from .adapters import get_adapter
 from .capture import first_layer_inputs
 from .data import Calibration, tokenize, wikitext
 from .evaluate import perplexity_of_ids
@@ -64,7 +62,8 @@ class Grid:
                  chunk: int = 8192, seed: int = 0, progress: bool = True):
         self.model_name, self.loaded, self.calib = model_name, loaded, calib
         self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
-        self.dense = copy.deepcopy(loaded.model)  # pristine copy; every cell prunes a fresh deep copy
+        self.pristine = loaded.copy()  # every cell prunes a fresh copy of this one
+        self.dense = self.pristine.model
         layers = loaded.adapter.layers()
         self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
         self._stats = None
@@ -84,8 +83,7 @@ class Grid:
         return self._eval_ids
 
     def fresh(self) -> Loaded:
-        model = copy.deepcopy(self.dense)
-        return Loaded(model, self.loaded.tokenizer, get_adapter(model), self.loaded.source, self.loaded.device)
+        return self.pristine.copy()
 
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
