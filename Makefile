@@ -9,7 +9,10 @@ export SPAP_DATA_DIR
 RUN ?= runs/main
 CONFIG ?= configs/offline.yaml
 PAPERMILL := $(PY) -m papermill --log-output --no-progress-bar
-# Extra papermill arguments for chain/ablate, e.g. ARGS="-p resume False" to recompute the grid from scratch.
+# A chain parameter file split per notebook: each notebook refuses names it does not declare.
+NBPARAMS := $(PY) -m spap_lib.nbparams
+# Extra papermill arguments for ablate (or chain: only names every notebook declares, e.g. device),
+# e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
 
 .PHONY: setup main test smoke paper offline chain ablate figures clean
@@ -29,8 +32,10 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 # Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
 main: setup
 	mkdir -p $(RUN)
-	$(PAPERMILL) notebooks/01_calibrate.ipynb $(RUN)/01_calibrate.ipynb -f $(CONFIG) -p run_dir $(RUN)
-	$(PAPERMILL) notebooks/02_prune.ipynb $(RUN)/02_prune.ipynb -f $(CONFIG) -p run_dir $(RUN)
+	for nb in 01_calibrate 02_prune; do \
+		$(NBPARAMS) $(CONFIG) notebooks/$$nb.ipynb > $(RUN)/$$nb.yaml && \
+		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(RUN)/$$nb.yaml -p run_dir $(RUN) || exit 1; \
+	done
 
 # The whole chain 01 -> 05 with one parameter file; executed notebooks and results land in $(RUN).
 #   make smoke    tiny CPU run (what CI executes, minutes)
@@ -40,7 +45,8 @@ NOTEBOOKS := 01_calibrate 02_prune 03_ablate 04_evaluate 05_profile
 chain: setup
 	mkdir -p $(RUN)
 	for nb in $(NOTEBOOKS); do \
-		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(CONFIG) -p run_dir $(RUN) $(ARGS) || exit 1; \
+		$(NBPARAMS) $(CONFIG) notebooks/$$nb.ipynb > $(RUN)/$$nb.yaml && \
+		$(PAPERMILL) notebooks/$$nb.ipynb $(RUN)/$$nb.ipynb -f $(RUN)/$$nb.yaml -p run_dir $(RUN) $(ARGS) || exit 1; \
 	done
 smoke:
 	$(MAKE) chain CONFIG=configs/smoke.yaml RUN=runs/smoke
@@ -53,17 +59,26 @@ paper:
 ABLATE_CONFIG ?= configs/ablate_offline.yaml
 ablate: setup
 	mkdir -p runs/ablate
-	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f $(ABLATE_CONFIG) $(ARGS)
+	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > runs/ablate/03_ablate.yaml
+	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f runs/ablate/03_ablate.yaml $(ARGS)
 
 # Redraw Figure 2 and the headline table from the committed results table only (no pruning).
 figures: setup
 	mkdir -p runs/figures
-	$(PAPERMILL) notebooks/03_ablate.ipynb runs/figures/03_ablate.ipynb -f $(ABLATE_CONFIG) -p prune False \
+	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > runs/figures/03_ablate.yaml
+	$(PAPERMILL) notebooks/03_ablate.ipynb runs/figures/03_ablate.ipynb -f runs/figures/03_ablate.yaml -p prune False \
 		-p run_dir runs/figures
 
-# Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill and nbval.
+# Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill, and nbval
+# on smoke copies of the notebooks (configs/smoke.yaml injected with papermill --prepare-only).
+SMOKE_NB := build/smoke_notebooks
 test: setup
-	$(PY) -m pytest -q --nbval-lax tests notebooks
+	rm -rf $(SMOKE_NB) && mkdir -p $(SMOKE_NB)
+	for nb in $(NOTEBOOKS); do \
+		$(NBPARAMS) configs/smoke.yaml notebooks/$$nb.ipynb > $(SMOKE_NB)/$$nb.yaml && \
+		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml || exit 1; \
+	done
+	$(PY) -m pytest -q --nbval-lax tests $(SMOKE_NB)
 
 clean:
 	rm -rf runs

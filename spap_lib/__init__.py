@@ -3,7 +3,8 @@
 Hu & Yuan, "SPAP: Structured Pruning via Alternating Optimization and Penalty Methods", 2025.
 """
 from .adapters import MLP, get_adapter, supported_model_types
-from .api import get_calibration, param_counts, prune, save
+from .api import check_run, get_calibration, param_counts, prune, save
+from .checks import ParameterError, check_notebook_parameters
 from .data import calibration_windows, data_dir, wikitext
 from .evaluate import perplexity, perplexity_of_ids
 from .methods import METHODS, get_method
@@ -12,7 +13,8 @@ from .pipeline import plan_sparsity, prune_model
 
 __version__ = "0.1.0"
 __all__ = [
-    "MLP", "METHODS", "OFFLINE_DEFAULT", "calibration_windows", "data_dir", "get_adapter", "get_calibration",
+    "MLP", "METHODS", "OFFLINE_DEFAULT", "ParameterError", "calibration_windows", "check_notebook_parameters",
+    "check_run", "data_dir", "get_adapter", "get_calibration",
     "get_method", "known_models", "load", "param_counts", "perplexity", "perplexity_of_ids", "plan_sparsity",
     "prune", "prune_model", "resolve", "save", "supported_model_types", "wikitext",
 ]

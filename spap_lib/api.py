@@ -1,22 +1,109 @@
-"""The few calls the notebooks make: calibrate, prune, save, count parameters.
+"""The few calls the notebooks make: check, calibrate, prune, save, count parameters.
 
 Each takes explicit arguments and returns plain data (dicts), so the notebooks stay thin and the
-same calls serve scripts and benchmarks.
+same calls serve scripts and benchmarks. ``check_run`` refuses bad input before any weight is read;
+``save`` installs a checkpoint only after its logits are finite and its reload matches.
 """
 from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import io
+from .adapters import get_adapter
+from .checks import ParameterError, Spec
 from .data import Calibration, calibration_windows
 from .evaluate import perplexity
-from .methods import get_method
-from .models import Loaded
-from .pipeline import plan_sparsity, prune_model
+from .linalg import NumericalError, nonfinite_parameters
+from .methods import Method, get_method
+from .models import Loaded, ModelSource, context_length, pick_device, read_config, resolve
+from .pipeline import SparsityPlan, plan_sparsity, prune_model
+
+
+class CheckpointError(RuntimeError):
+    """A pruned model that must not be saved (non-finite logits, a reload that differs)."""
+
+
+@dataclass
+class RunCheck:
+    """What ``check_run`` established before any weight was read."""
+
+    source: ModelSource
+    config: object
+    context: int | None
+    method: Method | None = None
+    plan: SparsityPlan | None = None
+    out_state: str | None = None  # "new", "empty" or "checkpoint" (replaced: overwrite=True)
+
+    def summary(self) -> str:
+        lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
+                 f"context {self.context or 'unknown'} tokens"]
+        if self.method is not None:
+            lines.append(f"method {self.method.name}: {self.method.hparams()}")
+        if self.plan is not None:
+            p = self.plan
+            lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer ({p.mlp_ratio:.1%} of channels; "
+                         f"MLP = {p.mlp_share:.1%} of decoder params)")
+        if self.out_state is not None:
+            lines.append(f"out_dir: {self.out_state}" + (" (will be replaced)" if self.out_state == "checkpoint" else ""))
+        return "\n".join(lines)
+
+
+def _source_path(source: ModelSource) -> Path | None:
+    return Path(source.path) if source.kind in ("dir", "gguf") else None
+
+
+def check_run(model: str, *, method: str | None = None, sparsity: float | None = None, hparams: dict | None = None,
+              nsamples: int | None = None, seqlen: int | None = None, eval_seqlen: int | None = None,
+              eval_windows: int | None = None, seed: int = 0, round_to: int | None = None,
+              propagate: bool | None = None, device: str = "auto", out_dir: str | Path | None = None,
+              run_dir: str | Path | None = None, overwrite: bool = False) -> RunCheck:
+    """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
+
+    Reads only the model's config (GGUF: its metadata): the architecture, the context length that
+    ``seqlen``/``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and
+    the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
+    spap checkpoint, and neither the source model nor ``run_dir``.
+    """
+    for name, value, spec in (("nsamples", nsamples, Spec(int, ge=1, optional=True)),
+                              ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
+                              ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
+                              ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
+                              ("round_to", round_to, Spec(int, ge=1, optional=True)),
+                              ("seed", seed, Spec(int, ge=0)),
+                              ("propagate", propagate, Spec(bool, optional=True)),
+                              ("overwrite", overwrite, Spec(bool)),
+                              ("hparams", hparams, Spec(dict, optional=True))):
+        spec.check(name, value)
+    algo = get_method(method, **(hparams or {})) if method is not None else None
+    pick_device(device)
+    source = resolve(model)
+    config = read_config(source)
+    if sparsity is not None and getattr(config, "spap_mlp_widths", None):
+        raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
+    context = context_length(config)
+    for name, value in (("seqlen", seqlen), ("eval_seqlen", eval_seqlen)):
+        if context and value and value > context:
+            raise ParameterError(f"{name}={value} is longer than {model}'s context of {context} tokens "
+                                 f"(max_position_embeddings): use {name} <= {context}")
+    check = RunCheck(source, config, context, algo)
+    if sparsity is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # shapes only: no memory, no weights
+            adapter = get_adapter(AutoModelForCausalLM.from_config(config))
+        check.plan = plan_sparsity(adapter, sparsity, round_to)
+        if algo is not None:
+            algo.prepare(adapter)  # e.g. FLAP's bias slot
+    if out_dir is not None:
+        protect = {"the source model": _source_path(source), "the run folder": run_dir}
+        check.out_state = io.check_out_dir(out_dir, overwrite=overwrite,
+                                           protect={k: v for k, v in protect.items() if v is not None})
+    return check
 
 
 def param_counts(loaded: Loaded) -> dict:
@@ -75,8 +162,20 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     """
+    Spec(dict, optional=True).check("hparams", hparams)
+    for name, value, spec in (("seed", seed, Spec(int, ge=0)), ("batch_size", batch_size, Spec(int, ge=1)),
+                              ("propagate", propagate, Spec(bool, optional=True))):
+        spec.check(name, value)
     algo = get_method(method, **(hparams or {}))
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
+    context = context_length(loaded.model.config)
+    if context and calib.windows.shape[1] > context:
+        raise ParameterError(f"calibration windows of {calib.windows.shape[1]} tokens exceed the model's context "
+                             f"of {context} (max_position_embeddings): use seqlen <= {context}")
+    bad = nonfinite_parameters(loaded.model)
+    if bad:
+        raise NumericalError(f"the model's weights are not finite ({'; '.join(bad[:5])}): the checkpoint is "
+                             "damaged; spap cannot prune it. Reload or re-download the model.")
     if algo.fits and calib.windows.numel() < plan.width:
         warnings.warn(
             f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
@@ -115,11 +214,65 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     }
 
 
-def save(loaded: Loaded, report: dict, out_dir: str | Path, **extra) -> Path:
-    """Atomically save the pruned model, tokenizer, manifest (report + versions + git) and the plan
-    (``spap_plan.json``: kept dense channel indices per layer)."""
+def _sample(model, tokens: int = 32) -> torch.Tensor:
+    """A fixed batch of token ids for the pre-save checks (any model, any tokenizer)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    tokens = min(tokens, context_length(model.config) or tokens)
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab, (1, tokens), generator=gen).to(next(model.parameters()).device)
+
+
+@torch.no_grad()
+def finite_logits(model, sample: torch.Tensor) -> torch.Tensor:
+    """The model's logits on ``sample``; a model with NaN/Inf logits is refused, naming its bad weights."""
+    logits = model(input_ids=sample, use_cache=False).logits
+    if not bool(torch.isfinite(logits).all()):
+        bad = nonfinite_parameters(model)
+        cause = f"non-finite weights: {'; '.join(bad[:5])}" if bad else f"activations overflow in {model.dtype}"
+        raise CheckpointError(f"the pruned model's logits are not finite ({cause}); it is not saved")
+    return logits
+
+
+@torch.no_grad()
+def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) -> dict:
+    """Reload ``path`` the way users will (stock ``transformers`` for uniform widths, ``spap_lib.load``
+    for per-layer widths) and compare its logits with the in-memory model's."""
+    from transformers import AutoModelForCausalLM
+
+    from .models import load_nonuniform
+
+    if "spap_mlp_widths" in json.loads((path / "config.json").read_text()):
+        reloaded, how = load_nonuniform(path, model.dtype), "spap_lib.load"
+    else:
+        reloaded, how = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype), "transformers"
+    reloaded.to(sample.device).eval()
+    diff = float((reloaded(input_ids=sample, use_cache=False).logits - logits).abs().max())
+    tol = 1e-4 if model.dtype == torch.float32 else 1e-2
+    if not diff <= tol:
+        raise CheckpointError(f"the saved checkpoint does not reload to the same model (max |logit diff| {diff:.3g} "
+                              f"> {tol}); it was not installed")
+    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": how,
+            "sample_tokens": int(sample.numel())}
+
+
+def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool = False,
+         protect: dict | None = None, **extra) -> Path:
+    """Save the pruned model, tokenizer, manifest (report + versions + git) and the plan
+    (``spap_plan.json``: kept dense channel indices per layer).
+
+    Nothing reaches ``out_dir`` unless the model's logits are finite and the written checkpoint
+    reloads to the same logits (recorded in the manifest under ``checks``); then it is installed
+    atomically. ``out_dir`` must be new, empty or (``overwrite``) a previous spap checkpoint; it may
+    not be the source model or any path in ``protect`` ({description: path}).
+    """
+    sample = _sample(loaded.model)
+    logits = finite_logits(loaded.model, sample)  # before anything is written
     fields = io.manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
     plan = {"model": loaded.source.as_dict(), "kept_channels": report["kept_channels"]}
-    return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={io.PLAN: plan})
+    source = _source_path(loaded.source)
+    guard = {**({"the source model": source} if source else {}), **(protect or {})}
+    return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={io.PLAN: plan},
+                          overwrite=overwrite, protect=guard,
+                          check=lambda tmp: check_reload(loaded.model, tmp, sample, logits))
 

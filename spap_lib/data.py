@@ -93,8 +93,11 @@ class Calibration:
 
 def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, text: Text | None = None) -> Calibration:
     """``nsamples`` random windows of ``seqlen`` tokens (SparseGPT/Wanda protocol), seeded."""
-    if nsamples < 1 or seqlen < 2:
-        raise ValueError(f"need nsamples >= 1 and seqlen >= 2, got nsamples={nsamples}, seqlen={seqlen}")
+    from .checks import Spec
+
+    Spec(int, ge=1).check("nsamples", nsamples)
+    Spec(int, ge=2).check("seqlen", seqlen)
+    Spec(int, ge=0).check("seed", seed)
     text = text or calibration_text()
     ids = tokenize(tokenizer, text.text)
     if ids.numel() < nsamples * seqlen + 1:

@@ -10,12 +10,20 @@ import math
 import torch
 from tqdm import tqdm
 
+from .checks import ParameterError, Spec
 from .data import tokenize, wikitext
+from .linalg import NumericalError
 
 
 @torch.no_grad()
 def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | None = None,
                       device=None, progress: bool = True) -> dict:
+    Spec(int, ge=2).check("eval_seqlen", seqlen)
+    Spec(int, ge=1, optional=True).check("eval_windows", max_windows)  # None = the whole test split
+    context = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and seqlen > context:
+        raise ParameterError(f"eval_seqlen={seqlen} is longer than the model's context of {context} tokens: "
+                             f"use eval_seqlen <= {context}")
     n = ids.numel() // seqlen
     if n == 0:
         raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
@@ -26,7 +34,11 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
     for i in tqdm(range(n), desc=f"ppl@{seqlen}", disable=not progress):
         x = ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device)
         logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="mean"))
+        loss = float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="mean"))
+        if not math.isfinite(loss):
+            raise NumericalError(f"window {i} of ppl@{seqlen}: the loss is {loss} (NaN/Inf logits): the model is "
+                                 "numerically broken; its perplexity would be meaningless")
+        total += loss
     return {"ppl": math.exp(total / n), "seqlen": seqlen, "windows": n, "all_windows": n == ids.numel() // seqlen}
 
 

@@ -1,16 +1,28 @@
-"""Atomic outputs and the run manifest.
+"""Outputs that are complete or absent, never half-written, and never written over what is not ours.
 
-A directory or file appears complete or not at all: everything is written into a temporary sibling
-and renamed into place, so an interrupted run never leaves a half-written checkpoint or table.
+* ``atomic_file`` / ``atomic_dir``: everything is written into a scratch sibling and moved into place
+  only when complete. A directory that already exists is swapped for the new one in one step
+  (Linux ``renameat2(RENAME_EXCHANGE)``), so at every instant the old or the new version is at the
+  path; elsewhere the swap is two renames, and a kill between them is repaired on the next run.
+* Scratch entries are named ``.<name>.spap-{tmp|old}-<host>-<pid>-<hex>``: the next write to the same
+  path recognises those of dead processes on this host and removes them (restoring an interrupted
+  swap first). Outputs get the user's normal permissions (umask), not the 0700/0600 of ``tempfile``.
+* ``check_out_dir``: a checkpoint directory is written only where it is new, empty, or holds a
+  previous spap checkpoint (with ``overwrite``); never over a foreign directory, the source model
+  or the run folder. Checked before any work and again just before the swap.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import platform
+import re
+import secrets
 import shutil
+import socket
 import subprocess
-import tempfile
 import time
 from contextlib import contextmanager
 from importlib import metadata
@@ -19,40 +31,142 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "spap_manifest.json"
 PLAN = "spap_plan.json"
+CHECKPOINT_FORMAT = 1
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+
+
+class OutputError(ValueError):
+    """An output path spap refuses to write (foreign directory, source model, not writable)."""
+
+
+# -- scratch entries and their clean-up ---------------------------------------------------------
+
+def _scratch(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.spap-{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(3)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def leftovers(path: str | os.PathLike) -> list[Path]:
+    """Scratch entries of ``path`` left by interrupted runs: this host's, whose process is gone."""
+    path = Path(path)
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.spap-(tmp|old)-([A-Za-z0-9]+)-(\d+)-[0-9a-f]+")
+    found = []
+    if path.parent.is_dir():
+        for entry in path.parent.iterdir():
+            m = pattern.fullmatch(entry.name)
+            if m and m[2] == _HOST and not _alive(int(m[3])):
+                found.append(entry)
+    return sorted(found)
+
+
+def _remove(entry: Path) -> None:
+    if entry.is_dir() and not entry.is_symlink():
+        shutil.rmtree(entry)
+    else:
+        entry.unlink()
+
+
+def clean_leftovers(path: str | os.PathLike) -> list[Path]:
+    """Remove what interrupted runs left beside ``path``; if a two-rename swap was cut between its
+    renames (``path`` missing, the previous version under an ``old`` name), put the previous back."""
+    path = Path(path)
+    found = leftovers(path)
+    olds = [e for e in found if ".spap-old-" in e.name]
+    if olds and not os.path.lexists(path):
+        os.rename(olds[-1], path)
+        found.remove(olds[-1])
+    for entry in found:
+        _remove(entry)
+    return found
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if platform.system() == "Linux" else None
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # kernel or filesystem without it
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Move the finished ``tmp`` to ``path``; an existing ``path`` ends up at ``tmp`` (removed by the caller)."""
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif not _exchange(tmp, path):
+        old = _scratch(path, "old")
+        os.rename(path, old)  # a kill here leaves no `path`: clean_leftovers puts `old` back
+        os.rename(tmp, path)
+        os.rename(old, tmp)
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: read it by setting it (and put it straight back)
+    os.umask(mask)
+    return mask
+
+
+def _normal_modes(root: Path) -> None:
+    """Give everything under ``root`` the user's normal permissions: some writers (safetensors via
+    transformers, tempfile) create 0600/0700 entries that other users of a shared model folder cannot read."""
+    mask = _umask()
+    for entry in [root, *root.rglob("*")]:
+        if not entry.is_symlink():
+            os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~mask)
 
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
-    """Yield a temporary directory that replaces ``path`` only if the block succeeds."""
+    """Yield a scratch directory that replaces ``path`` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    clean_leftovers(path)
+    tmp = _scratch(path, "tmp")
+    os.mkdir(tmp)
     try:
         yield tmp
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            path.rename(old)
-        tmp.rename(path)
-        if old is not None:
-            shutil.rmtree(old)
+        _normal_modes(tmp)
+        _install(tmp, path)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        if os.path.lexists(tmp):
+            _remove(tmp)  # the failed new version, or the replaced old one
 
 
 @contextmanager
 def atomic_file(path: str | os.PathLike):
-    """Yield a temporary path that replaces ``path`` only if the block succeeds."""
+    """Yield a scratch path (an empty file) that replaces ``path`` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
+    clean_leftovers(path)
+    tmp = _scratch(path, "tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        yield Path(tmp)
+        yield tmp
+        os.chmod(tmp, 0o666 & ~_umask())  # a writer may have replaced it with a 0600 file
         os.replace(tmp, path)
     finally:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
 
 
@@ -69,6 +183,86 @@ def write_csv_atomic(path: str | os.PathLike, frame) -> None:
     """Write a pandas DataFrame as CSV atomically."""
     write_text_atomic(path, frame.to_csv(index=False))
 
+
+# -- where a checkpoint may be written ------------------------------------------------------------
+
+def read_checkpoint_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest of a spap checkpoint directory, or None if ``path`` is not one."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if "spap_checkpoint" in manifest:
+        return manifest
+    # Checkpoints written before the format marker: spap's version and a method in the manifest.
+    legacy = isinstance(manifest.get("versions"), dict) and "spap" in manifest["versions"] and "method" in manifest
+    return manifest if legacy else None
+
+
+def _writable(directory: Path) -> None:
+    """Create and remove a probe entry: the only test that also holds for read-only mounts."""
+    probe = directory / f".spap-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as err:
+        raise OutputError(f"cannot write in {directory} ({err.strerror}): choose an out_dir in a writable "
+                          "directory") from None
+
+
+def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
+                  protect: dict[str, str | os.PathLike] | None = None) -> str:
+    """Refuse, before any work, an ``out_dir`` that spap may not (re)write; say why and what to do.
+
+    Allowed: a path that does not exist, an empty directory, or (``overwrite=True``) a previous spap
+    checkpoint holding only the files its manifest lists. ``protect`` maps a description to a path
+    that must survive (the source model, the run folder): ``out_dir`` may be neither it nor an
+    ancestor of it. Returns ``"new"``, ``"empty"`` or ``"checkpoint"``.
+    """
+    if not isinstance(overwrite, bool):
+        raise OutputError(f"overwrite must be True or False, got {overwrite!r}")
+    out = Path(out_dir).expanduser().absolute()
+    real = out.resolve()
+    for what, keep in (protect or {}).items():
+        keep = Path(keep).expanduser().resolve()
+        if real == keep or real in keep.parents:
+            raise OutputError(f"out_dir {out} would replace {what} ({keep}): choose another out_dir")
+    if out.parent.is_dir():
+        clean_leftovers(out)  # an interrupted earlier run: restore or remove what it left
+    state = "new"
+    if os.path.lexists(out):
+        if not out.is_dir():
+            raise OutputError(f"out_dir {out} exists and is not a directory: choose another out_dir")
+        names = sorted(p.name for p in out.iterdir())
+        state = "empty"
+        if names:
+            manifest = read_checkpoint_manifest(out)
+            if manifest is None:
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise OutputError(f"out_dir {out} is not empty and is not a spap checkpoint (it holds {shown}): "
+                                  "spap never replaces a directory it did not write. Choose a new or empty out_dir.")
+            listed = manifest.get("spap_checkpoint", {}).get("files")
+            extra = sorted(set(names) - set(listed)) if listed is not None else []
+            if extra:
+                raise OutputError(f"out_dir {out} holds a spap checkpoint and files spap did not write "
+                                  f"({', '.join(extra[:5])}): move them away or choose another out_dir")
+            if not overwrite:
+                what = f"{manifest.get('method', '?')} at sparsity {manifest.get('sparsity', {}).get('requested', '?')}"
+                raise OutputError(f"out_dir {out} holds a previous spap checkpoint ({what}, {manifest.get('created', '')}): "
+                                  "pass overwrite=True (papermill: -p overwrite True) to replace it, or choose "
+                                  "another out_dir")
+            state = "checkpoint"
+            _writable(out)  # its old files are removed after the swap
+    parent = out.parent
+    while not parent.exists():  # parents are created on save; the first existing one must be writable
+        parent = parent.parent
+    _writable(parent)
+    return state
+
+
+# -- manifests ----------------------------------------------------------------------------------
 
 def git_revision() -> str | None:
     try:
@@ -105,12 +299,23 @@ def manifest(**fields) -> dict:
 
 
 def save_pruned(model, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict,
-                extra_files: dict[str, object] | None = None) -> Path:
-    """``save_pretrained`` (safetensors) + tokenizer + manifest (+ JSON files), atomically. Stock-loadable."""
+                extra_files: dict[str, object] | None = None, *, overwrite: bool = False,
+                protect: dict | None = None, check=None) -> Path:
+    """``save_pretrained`` (safetensors) + tokenizer + JSON files + manifest, installed atomically.
+
+    ``check(tmp) -> dict`` runs on the finished scratch copy before it is installed (the reload
+    check): if it raises, ``out_dir`` is left exactly as it was. Its result is stored in the
+    manifest under ``checks``. Stock-loadable.
+    """
+    check_out_dir(out_dir, overwrite=overwrite, protect=protect)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        write_json_atomic(tmp / MANIFEST, manifest_fields)
         for name, obj in (extra_files or {}).items():
             write_json_atomic(tmp / name, obj)
+        checks = check(tmp) if check else {}
+        files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
+        write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,
+                                           "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files}})
+        check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # unchanged while we worked?
     return Path(out_dir)

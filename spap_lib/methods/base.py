@@ -15,6 +15,7 @@ import torch
 
 from .. import allocation as alloc
 from ..adapters import MLP
+from ..checks import ParameterError, check_fields
 from ..linalg import augment, check_finite
 
 
@@ -46,8 +47,22 @@ class LayerProblem:
     def H(self) -> torch.Tensor:
         """Gram matrix ``Z̃ Z̃ᵀ`` of the dense intermediate activations (``Z̃ = [Z; 1]`` with bias)."""
         H = gram(self.dense, self.X, self.chunk)
-        check_finite(H, f"layer {self.layer_index} Gram matrix")
+        check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
         return H
+
+    @property
+    def nothing_to_fit(self) -> bool:
+        """On these tokens the output does not depend on any channel: every ``Z_j`` is zero (e.g. an
+        all-zero input projection) or the output projection is all zero. Any refit would divide by
+        ``‖Z‖ = 0``; the dense weights of whichever channels are kept already give the same output."""
+        n = self.dense.width
+        return bool(torch.diagonal(self.H)[:n].sum() == 0) or not bool(self.dense.W_out.any())
+
+    def keep_dense(self, info: dict | None = None) -> "PruneResult":
+        """The ``nothing_to_fit`` answer: keep the channels with the largest output columns, weights as they are."""
+        score = self.dense.W_out.double().norm(dim=0)
+        keep = torch.sort(torch.topk(score, self.dense.width - self.n_remove).indices).values
+        return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 
 def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None):
@@ -76,7 +91,12 @@ class PruneResult:
 
 
 class Method:
-    """Base class: subclasses are dataclasses whose fields are the method's hyperparameters."""
+    """Base class: subclasses are dataclasses whose fields are the method's hyperparameters.
+
+    Each field declares its type by annotation and its range with ``checks.hp(...)``; every instance
+    is checked on construction, so the API, the notebooks and the grid refuse the same values with
+    the same message before any work.
+    """
 
     name: str = ""
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
@@ -88,11 +108,15 @@ class Method:
     # How the channel budget may be spread over layers (a method's ``allocation`` field picks one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.validate()
+
     def validate(self) -> None:
         choice = getattr(self, "allocation", "uniform")
         if choice not in self.allocations:
-            raise ValueError(f"method {self.name!r} supports allocation {' or '.join(self.allocations)}, "
-                             f"not {choice!r}")
+            raise ParameterError(f"method {self.name!r} supports allocation {' or '.join(self.allocations)}, "
+                                 f"not {choice!r}")
 
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
         """Per-channel importance on dense statistics, for ``allocation="global"``."""
@@ -129,15 +153,14 @@ def register(cls: type[Method]) -> type[Method]:
 
 
 def get_method(name: str, **hparams) -> Method:
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}: registered methods are {', '.join(sorted(METHODS))}")
+    """The registered method ``name`` with ``hparams`` over its defaults; every value is checked."""
+    if not isinstance(name, str) or name not in METHODS:
+        raise ParameterError(f"unknown method {name!r}: registered methods are {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(hparams) - known
     if unknown:
-        raise ValueError(
+        raise ParameterError(
             f"unknown hyperparameter(s) {sorted(unknown)} for method {name!r}; it takes {sorted(known)}"
         )
-    method = cls(**hparams)
-    method.validate()
-    return method
+    return cls(**hparams)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import hp
 from ..linalg import lstsq_columns, mean_diag
 from .base import LayerProblem, Method, PruneResult, register
 from .spap import get_out, set_out
@@ -21,7 +22,7 @@ from .spap import get_out, set_out
 @dataclass
 class FASP(Method):
     name = "fasp"
-    damp: float = 1e-3  # δ = damp·mean(diag(Z Zᵀ)), the same damping as SPAP's solves
+    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)), the same damping as SPAP's solves
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         dense, H = problem.dense, problem.H

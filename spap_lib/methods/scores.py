@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..adapters import MLP, Adapter
+from ..checks import hp
 from ..stats import ChannelStats
 from .base import LayerProblem, Method, PruneResult, Unsupported, register
 
@@ -132,8 +133,8 @@ class CFSP(ScoreMethod):
     name = "cfsp"
     allocations = ("uniform", "angular")
     allocation: str = "angular"
-    a: float = 1.0  # sigmoid sharpness of the block allocation (CFSP's --a)
-    scale: float = 1e4  # divisor of the token-summed angular distances, as in CFSP's code
+    a: float = hp(1.0, ge=0)  # sigmoid sharpness of the block allocation (CFSP's --a)
+    scale: float = hp(1e4, gt=0)  # divisor of the token-summed angular distances, as in CFSP's code
 
     def score(self, mlp, stats):
         xnorm = stats.norm

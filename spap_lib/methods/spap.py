@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..adapters import MLP
+from ..checks import ParameterError, hp
 from ..linalg import lstsq_columns, mean_diag, ridge
 from .base import LayerProblem, Method, PruneResult, gram, register
 
@@ -132,7 +133,7 @@ def alternating_update(
     Returns the iterate with the lowest calibration error (the initial one included, so the update
     can never make a layer worse on its calibration data) and the relative error per iteration.
     """
-    YY = float(Y.double().pow(2).sum())
+    YY = max(float(Y.double().pow(2).sum()), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     n = mlp.width
     start = reconstruction_error(get_out(mlp), H, YZ, YY) / YY
 
@@ -183,16 +184,16 @@ class SPAP(Method):
     name = "spap"
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
     # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
-    t: float = 0.5  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖X_j‖₂ (t=1, weights only, doubles the error)
-    alpha: float = 0.5  # soft mask update s ← αs + (1−α)s_new
-    rho0: float = 1e-2  # initial penalty, in units of mean(diag(X Xᵀ))
-    tau: float = 1.5  # penalty growth ρ ← τρ
-    K: int = 20  # penalty iterations (10, 20, 30 gave the same masks; 20 lets ρ grow ~3000x)
-    damp: float = 1e-3  # δ = damp·mean(diag(X Xᵀ)) in every solve (1e-4 and 1e-2 were worse)
-    am_iters: int = 10  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
-    adam_steps: int = 10  # Adam steps on the input projections per round
-    lr: float = 1e-3  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
-    batch_tokens: int = 2048  # tokens per Adam step
+    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖X_j‖₂ (t=1, weights only, doubles the error)
+    alpha: float = hp(0.5, ge=0, lt=1)  # soft mask update s ← αs + (1−α)s_new (α = 1 would never move s)
+    rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(X Xᵀ))
+    tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
+    K: int = hp(20, ge=1)  # penalty iterations (10, 20, 30 gave the same masks; 20 lets ρ grow ~3000x)
+    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(X Xᵀ)) in every solve (1e-4 and 1e-2 were worse)
+    am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
+    adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
+    lr: float = hp(1e-3, gt=0)  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
+    batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
     allocation: str = "uniform"
@@ -236,11 +237,12 @@ class SPAPNoUpdate(SPAP):
     refit of the kept columns, without the alternating minimisation of §3.3."""
 
     name = "spap_no_update"
-    am_iters: int = 0
+    am_iters: int = hp(0, ge=0)
 
-    def __post_init__(self):
+    def validate(self) -> None:
+        super().validate()
         if self.am_iters != 0:
-            raise ValueError("spap_no_update has no update stage: am_iters must be 0 (use method 'spap')")
+            raise ParameterError("spap_no_update has no update stage: am_iters must be 0 (use method 'spap')")
 
 
 @torch.no_grad()
@@ -252,7 +254,7 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, 
                     batch_tokens: int, chunk: int, seed: int) -> tuple[MLP, list[float]]:
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
-    YY = float(Y.double().pow(2).sum())
+    YY = max(float(Y.double().pow(2).sum()), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     params = [*mlp.W_in, mlp.W_out, *(b for b in [*mlp.b_in, mlp.b_out] if b is not None)]
     return optimise_rounds(mlp, X, Y, params, calibration_error(mlp, X, Y, chunk) / YY,
                            lambda: calibration_error(mlp, X, Y, chunk) / YY, rounds=rounds, steps=steps, lr=lr,

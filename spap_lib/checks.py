@@ -1,0 +1,134 @@
+"""Parameter validation shared by the API, the methods and the notebooks.
+
+Every value a user can set is checked before any heavy work, and a refusal names the parameter,
+what it got and what it takes. Nothing is silently coerced or ignored: a string ``"false"`` is not a
+boolean, ``4.0`` is not a window count, and an unknown name is an error.
+
+* ``Spec`` declares a value's type and range once; method hyperparameters carry one per dataclass
+  field (``hp(...)``), run parameters call ``Spec.check`` directly.
+* ``check_notebook_parameters`` is the first thing every notebook runs after papermill has injected
+  its parameters: an undeclared name (a typo such as ``-p sparsty 0.5``) is refused, and each value
+  is checked against the annotation of the parameters cell.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from dataclasses import dataclass, field
+from types import ModuleType
+
+
+class ParameterError(ValueError):
+    """A parameter value that spap refuses (wrong type, out of range, unknown name)."""
+
+
+_TYPE_WORDS = {bool: "a boolean (True/False)", int: "an integer", float: "a number", str: "a string",
+               dict: "a mapping", list: "a list"}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one parameter takes: a type, optional bounds (``ge``/``gt``/``le``/``lt``), optional
+    ``choices`` and whether ``None`` is allowed. ``check`` returns the value unchanged or raises."""
+
+    type: type
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple | None = None
+    optional: bool = False
+
+    def describe(self) -> str:
+        bounds = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                  if bound is not None]
+        text = _TYPE_WORDS.get(self.type, self.type.__name__) + (" " + " and ".join(bounds) if bounds else "")
+        if self.choices:
+            text = f"one of {', '.join(map(repr, self.choices))}"
+        return text + (" or None" if self.optional else "")
+
+    def check(self, name: str, value, where: str = ""):
+        prefix = f"{where}: " if where else ""
+
+        def refuse(why: str):
+            raise ParameterError(f"{prefix}{name} must be {self.describe()}, got {value!r} ({why})")
+
+        if value is None:
+            if self.optional:
+                return None
+            refuse("None is not allowed")
+        t = self.type
+        # bool is a subclass of int: True must not pass as 1, nor 1 as True; "false" is not a boolean.
+        if t is bool and not isinstance(value, bool):
+            refuse("write True or False, unquoted" if isinstance(value, str) else type(value).__name__)
+        if t is int and (isinstance(value, bool) or not isinstance(value, int)):
+            refuse(type(value).__name__)
+        if t is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                refuse(type(value).__name__)
+            if not math.isfinite(value):
+                refuse("not finite")
+        if t in (str, dict, list) and not isinstance(value, t):
+            refuse(type(value).__name__)
+        if self.choices is not None and value not in self.choices:
+            refuse("not a valid choice")
+        for op, bound, ok in (("ge", self.ge, lambda v, b: v >= b), ("gt", self.gt, lambda v, b: v > b),
+                              ("le", self.le, lambda v, b: v <= b), ("lt", self.lt, lambda v, b: v < b)):
+            if bound is not None and not ok(value, bound):
+                refuse("out of range")
+        return value
+
+
+def hp(default, *, doc: str = "", **spec):
+    """A method hyperparameter: a dataclass field carrying its ``Spec`` (type from the annotation)."""
+    return field(default=default, metadata={"spec": spec, "doc": doc})
+
+
+def check_fields(obj) -> None:
+    """Check every field of a dataclass instance against its annotation and ``hp`` bounds."""
+    hints = typing.get_type_hints(type(obj))
+    where = getattr(obj, "name", type(obj).__name__)
+    for f in dataclasses.fields(obj):
+        base, optional = _base_type(hints[f.name])
+        spec = Spec(type=base, optional=optional, **f.metadata.get("spec", {}))
+        spec.check(f.name, getattr(obj, f.name), where=f"method {where!r}")
+
+
+def _base_type(annotation) -> tuple[type, bool]:
+    """``int`` → (int, False); ``Optional[int]`` / ``int | None`` → (int, True)."""
+    args = typing.get_args(annotation)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return _base_type(rest[0])[0], True
+    origin = typing.get_origin(annotation)
+    return (origin or annotation), False
+
+
+# Names IPython puts in every namespace; anything else that is not declared was injected by papermill.
+_IPYTHON_NAMES = {"In", "Out"}
+
+
+def check_notebook_parameters(namespace: dict, notebook: str) -> None:
+    """Refuse undeclared parameters and values of the wrong type, in a notebook's namespace.
+
+    Declared = the annotated names of the parameters cell (``__annotations__``). Papermill injects
+    values as plain assignments after that cell, so an injected name that is not annotated is a
+    parameter the notebook does not take: an error, with the closest declared name suggested.
+    """
+    declared = dict(namespace.get("__annotations__", {}))
+    unknown = sorted(name for name, value in namespace.items()
+                     if not name.startswith("_") and name not in declared and name not in _IPYTHON_NAMES
+                     and not callable(value) and not isinstance(value, ModuleType))
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, declared, n=1)
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ParameterError(f"{notebook} does not take the parameter(s) {', '.join(hints)}; "
+                             f"it takes {', '.join(sorted(declared))}")
+    for name, annotation in declared.items():
+        base, optional = _base_type(annotation)
+        Spec(type=base, optional=optional).check(name, namespace[name], where=notebook)
