@@ -15,7 +15,7 @@ import torch
 
 from . import io
 from .adapters import get_adapter
-from .checks import ParameterError, Spec
+from .checks import ParameterError, Spec, check_values, fits_context
 from .data import Calibration, calibration_windows
 from .evaluate import perplexity
 from .linalg import NumericalError, nonfinite_parameters
@@ -69,16 +69,15 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
     spap checkpoint, and neither the source model nor ``run_dir``.
     """
-    for name, value, spec in (("nsamples", nsamples, Spec(int, ge=1, optional=True)),
-                              ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
-                              ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
-                              ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
-                              ("round_to", round_to, Spec(int, ge=1, optional=True)),
-                              ("seed", seed, Spec(int, ge=0)),
-                              ("propagate", propagate, Spec(bool, optional=True)),
-                              ("overwrite", overwrite, Spec(bool)),
-                              ("hparams", hparams, Spec(dict, optional=True))):
-        spec.check(name, value)
+    check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
+                 ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
+                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
+                 ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
+                 ("round_to", round_to, Spec(int, ge=1, optional=True)),
+                 ("seed", seed, Spec(int, ge=0)),
+                 ("propagate", propagate, Spec(bool, optional=True)),
+                 ("overwrite", overwrite, Spec(bool)),
+                 ("hparams", hparams, Spec(dict, optional=True)))
     algo = get_method(method, **(hparams or {})) if method is not None else None
     pick_device(device)
     source = resolve(model)
@@ -86,10 +85,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if sparsity is not None and getattr(config, "spap_mlp_widths", None):
         raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
     context = context_length(config)
-    for name, value in (("seqlen", seqlen), ("eval_seqlen", eval_seqlen)):
-        if context and value and value > context:
-            raise ParameterError(f"{name}={value} is longer than {model}'s context of {context} tokens "
-                                 f"(max_position_embeddings): use {name} <= {context}")
+    fits_context("seqlen", seqlen, context, model)
+    fits_context("eval_seqlen", eval_seqlen, context, model)
     check = RunCheck(source, config, context, algo)
     if sparsity is not None:
         from transformers import AutoModelForCausalLM
@@ -162,16 +159,11 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     """
-    Spec(dict, optional=True).check("hparams", hparams)
-    for name, value, spec in (("seed", seed, Spec(int, ge=0)), ("batch_size", batch_size, Spec(int, ge=1)),
-                              ("propagate", propagate, Spec(bool, optional=True))):
-        spec.check(name, value)
+    check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
+                 ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)))
     algo = get_method(method, **(hparams or {}))
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
-    context = context_length(loaded.model.config)
-    if context and calib.windows.shape[1] > context:
-        raise ParameterError(f"calibration windows of {calib.windows.shape[1]} tokens exceed the model's context "
-                             f"of {context} (max_position_embeddings): use seqlen <= {context}")
+    fits_context("seqlen", calib.windows.shape[1], context_length(loaded.model.config))
     bad = nonfinite_parameters(loaded.model)
     if bad:
         raise NumericalError(f"the model's weights are not finite ({'; '.join(bad[:5])}): the checkpoint is "

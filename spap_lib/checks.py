@@ -81,6 +81,20 @@ class Spec:
         return value
 
 
+def check_values(*items: tuple[str, object, Spec]) -> None:
+    """``Spec.check`` each ``(name, value, spec)``: the first refusal raises."""
+    for name, value, spec in items:
+        spec.check(name, value)
+
+
+def fits_context(name: str, tokens: int | None, context: int | None, model: str = "the model") -> None:
+    """Refuse windows longer than the positions the model was built for (RoPE models run on silently
+    with garbage; OPT's learned positions crash with an IndexError)."""
+    if context and tokens and tokens > context:
+        raise ParameterError(f"{name}={tokens} is longer than {model}'s context of {context} tokens "
+                             f"(max_position_embeddings): use {name} <= {context}")
+
+
 def hp(default, *, doc: str = "", **spec):
     """A method hyperparameter: a dataclass field carrying its ``Spec`` (type from the annotation)."""
     return field(default=default, metadata={"spec": spec, "doc": doc})

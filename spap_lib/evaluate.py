@@ -10,9 +10,10 @@ import math
 import torch
 from tqdm import tqdm
 
-from .checks import ParameterError, Spec
+from .checks import Spec, fits_context
 from .data import tokenize, wikitext
 from .linalg import NumericalError
+from .models import context_length
 
 
 @torch.no_grad()
@@ -20,10 +21,7 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
                       device=None, progress: bool = True) -> dict:
     Spec(int, ge=2).check("eval_seqlen", seqlen)
     Spec(int, ge=1, optional=True).check("eval_windows", max_windows)  # None = the whole test split
-    context = getattr(model.config, "max_position_embeddings", None)
-    if isinstance(context, int) and seqlen > context:
-        raise ParameterError(f"eval_seqlen={seqlen} is longer than the model's context of {context} tokens: "
-                             f"use eval_seqlen <= {context}")
+    fits_context("eval_seqlen", seqlen, context_length(model.config))
     n = ids.numel() // seqlen
     if n == 0:
         raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")

@@ -189,7 +189,7 @@ def test_calibration_beyond_the_context_is_refused_before_work(monkeypatch):
         loaded = _loaded(arch, max_position_embeddings=16)
         windows = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
         monkeypatch.setattr(pipeline, "first_layer_inputs", lambda *a, **k: pytest.fail("work started"))
-        with pytest.raises(ParameterError, match="windows of 24 tokens exceed the model's context of 16"):
+        with pytest.raises(ParameterError, match="seqlen=24 is longer than the model's context of 16"):
             sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
 
 
