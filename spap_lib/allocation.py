@@ -15,9 +15,6 @@ import math
 
 import torch
 
-ALLOCATIONS = ("uniform", "global", "angular")
-
-
 def _largest_remainder(quota: list[float], total: int, cap: list[int]) -> list[int]:
     """Integers ``≤ cap`` summing to ``total`` that round ``quota`` (Hamilton's method)."""
     counts = [min(int(math.floor(q)), c) for q, c in zip(quota, cap)]
@@ -42,7 +39,7 @@ def global_standardized(scores: list[torch.Tensor], total: int) -> list[int]:
     for zi in z:
         zi[torch.argmax(zi)] = math.inf
     flat = torch.cat(z)
-    layer_of = torch.cat([torch.full((len(zi),), i) for i, zi in enumerate(z)])
+    layer_of = torch.cat([torch.full((len(zi),), i, device=flat.device) for i, zi in enumerate(z)])
     lowest = torch.topk(flat, total, largest=False).indices
     return torch.bincount(layer_of[lowest], minlength=len(scores)).tolist()
 

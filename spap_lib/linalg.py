@@ -2,7 +2,12 @@
 
 All least-squares problems here have the form ``min_W ||Y - W X||_F^2`` with ``X`` the ``[n, N]``
 inputs of a linear map. They only need ``H = X Xᵀ`` and ``Y Xᵀ``, so nothing of size N is kept.
-Solves run in float64: Gram matrices of LLM activations span many orders of magnitude.
+
+Precision follows ``H``: a method's ``precision`` ("float64" default, or "float32") sets the dtype the
+Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM activations span many
+orders of magnitude, so float32 solves are Jacobi-scaled (unit diagonal) and fall back to float64
+where the Cholesky factorization still fails. float64 is exact-as-before; float32 is what consumer
+GPUs run fast (fp64 there is 1/64 of fp32).
 """
 from __future__ import annotations
 
@@ -32,26 +37,53 @@ def check_finite(H: torch.Tensor, what: str) -> None:
         )
 
 
+def sq_norm(Y: torch.Tensor, chunk: int = 8192) -> float:
+    """``‖Y‖²`` accumulated in float64 a chunk of rows at a time (no float64 copy of ``Y``)."""
+    return sum(float(y.double().pow(2).sum()) for y in Y.split(chunk))
+
+
 def mean_diag(H: torch.Tensor) -> float:
     return float(torch.diagonal(H).mean().clamp_min(1e-12))
 
 
-def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix") -> torch.Tensor:
-    """``A⁻¹ B`` for symmetric positive definite ``A`` via Cholesky (float64)."""
-    A64, B64 = A.double(), B.double()
-    L, info = torch.linalg.cholesky_ex(A64)
+PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
+
+
+def _cholesky(A: torch.Tensor, what: str) -> torch.Tensor:
+    L, info = torch.linalg.cholesky_ex(A)
     if int(info) != 0:
         raise NumericalError(
             f"{what} is singular or indefinite (Cholesky failed at pivot {int(info)}). "
             "Increase the damping (damp=...) or use more calibration tokens."
         )
-    return torch.cholesky_solve(B64, L)
+    return L
+
+
+def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix") -> torch.Tensor:
+    """``A⁻¹ B`` for symmetric positive definite ``A`` via Cholesky, in ``A``'s dtype.
+
+    float64: as is. float32: ``A`` is scaled in place to unit diagonal, ``S A S`` with
+    ``S = diag(A)^-1/2`` (Jacobi), solved, and scaled back; if the float32 factorization fails the
+    same scaled system is solved in float64. ``A`` is overwritten in the float32 case.
+    """
+    B = B.to(A.dtype)
+    if A.dtype == torch.float64:
+        return torch.cholesky_solve(B, _cholesky(A, what))
+    s = A.diagonal().clamp_min(torch.finfo(A.dtype).tiny).rsqrt()
+    A.mul_(s[:, None]).mul_(s[None, :])
+    L, info = torch.linalg.cholesky_ex(A)
+    if int(info) != 0:  # ill-conditioned even after scaling: this one solve in float64
+        X = torch.cholesky_solve((B * s[:, None]).double(), _cholesky(A.double(), what)).to(A.dtype)
+    else:
+        X = torch.cholesky_solve(B * s[:, None], L)
+    return X * s[:, None]
 
 
 def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """``W = (Y Xᵀ)(X Xᵀ + diag(penalty))⁻¹`` given ``WH = Y Xᵀ`` ``[d, n]`` and ``H = X Xᵀ``."""
-    A = H.double() + torch.diag(penalty.double())
-    return solve_spd(A, WH.double().T).T.to(WH.dtype)
+    """``W = (Y Xᵀ)(X Xᵀ + diag(penalty))⁻¹`` given ``WH = Y Xᵀ`` ``[d, n]`` and ``H = X Xᵀ``, in ``H``'s dtype."""
+    A = H.clone()  # H is reused by the caller; the damping goes on the diagonal in place
+    A.diagonal().add_(penalty.to(H.dtype))
+    return solve_spd(A, WH.T).T.to(WH.dtype)
 
 
 def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec
-from .linalg import check_finite
+from .linalg import PRECISIONS, check_finite
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .stats import ChannelStats, block_angular
@@ -94,7 +94,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: 
         out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
                         watch=adapter.mlp_input_module(layer))
         check_finite(X, f"layer {i}: the MLP inputs")
-        s = ChannelStats.of(adapter.get_mlp(layer), X.float(), chunk)
+        s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out
@@ -148,7 +148,12 @@ def prune_model(
     else:
         removals = None if uniform else method.removals(
             [adapter.get_mlp(layer) for layer in layers], stats, plan.width, plan.n_remove * len(layers))
-        per_layer, kept = _prune_sequential(adapter, method, plan, inputs, removals, batch_size=batch_size,
+        # Hand the layer-0 inputs to the loop in a list it empties, so they are freed once layer 0 has
+        # used them (unless a caller such as the grid keeps its own reference to share them).
+        hidden, kwargs = inputs
+        carry = [hidden]
+        del inputs, hidden
+        per_layer, kept = _prune_sequential(adapter, method, plan, carry, kwargs, removals, batch_size=batch_size,
                                             chunk=chunk, seed=seed, propagate=propagate, progress=progress)
     adapter.set_config_width([len(k) for k in kept])
     return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept}
@@ -168,10 +173,10 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, plan: SparsityPlan,
     return per_layer, kept
 
 
-def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inputs: tuple,
-                      removals: list[int] | None, *, batch_size: int, chunk: int, seed: int, propagate: bool,
-                      progress: bool):
-    hidden, kwargs = inputs
+def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, carry: list[torch.Tensor],
+                      kwargs: dict, removals: list[int] | None, *, batch_size: int, chunk: int, seed: int,
+                      propagate: bool, progress: bool):
+    hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
     removals = removals or [plan.n_remove] * len(adapter.layers())
     per_layer, kept = [], []
     for i, layer in enumerate(tqdm(adapter.layers(), desc=f"{method.name} layers", disable=not progress)):
@@ -179,8 +184,8 @@ def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, inpu
         out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
         check_finite(X, f"layer {i}: the MLP inputs")
         problem = LayerProblem(
-            dense=adapter.get_mlp(layer), X=X.float(), n_remove=removals[i], chunk=chunk, seed=seed,
-            layer_index=i,
+            dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
+            layer_index=i, dtype=PRECISIONS[method.precision],
         )
         # A layer whose output no channel affects (all-zero activations or output projection) has
         # nothing to fit: the dense weights of the kept channels already reproduce it exactly.

@@ -45,7 +45,7 @@ class ChannelStats:
         z_sq = torch.zeros(n, dtype=torch.float64, device=X.device)
         with torch.no_grad():
             for start in range(0, X.shape[0], chunk):
-                Z = mlp.hidden(X[start:start + chunk]).double()
+                Z = mlp.hidden(X[start:start + chunk].float()).double()
                 z_sum += Z.sum(0)
                 z_sq += Z.pow(2).sum(0)
         return cls(X.shape[0], z_sum, z_sq)

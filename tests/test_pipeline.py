@@ -133,3 +133,34 @@ def test_pruning_a_copy_leaves_the_loaded_model_alone(loaded, windows):
     assert copied.tokenizer is loaded.tokenizer and copied.source is loaded.source
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(windows).logits, before, rtol=0, atol=0)
+
+
+def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatch):
+    """Memory per layer: the captured layer-0 inputs ([n, seqlen, d]) do not live through the whole run."""
+    import gc
+    import weakref
+
+    from spap_lib import pipeline
+
+    refs = []
+    real_capture = pipeline.first_layer_inputs
+
+    def capture(*a, **k):
+        hidden, kwargs = real_capture(*a, **k)
+        refs.append(weakref.ref(hidden))
+        return hidden, kwargs
+
+    alive_at = {}
+    method = sl.get_method("spap", **{**FAST, "am_iters": 0})
+    real_prune = method.prune
+
+    def prune(problem):
+        gc.collect()
+        alive_at[problem.layer_index] = refs[0]() is not None
+        return real_prune(problem)
+
+    monkeypatch.setattr(pipeline, "first_layer_inputs", capture)
+    monkeypatch.setattr(method, "prune", prune)
+    plan = sl.plan_sparsity(loaded.adapter, 0.2)
+    sl.prune_model(loaded.model, loaded.adapter, windows, method, plan, device="cpu", progress=False)
+    assert alive_at == {0: True, 1: False, 2: False}

@@ -23,8 +23,9 @@ from ..linalg import augment, check_finite
 class LayerProblem:
     """Everything a method may use to prune one MLP.
 
-    ``X`` are the MLP inputs (after the layer's norm) for all calibration tokens ``[N, d]``;
-    the target is the dense MLP's output on the same inputs, ``Y = dense(X)``.
+    ``X`` are the MLP inputs (after the layer's norm) for all calibration tokens ``[N, d]``, in the
+    model's dtype (one copy; every use upcasts a chunk at a time); the target is the dense MLP's
+    output on the same inputs, ``Y = dense(X)``.
     """
 
     dense: MLP
@@ -33,6 +34,7 @@ class LayerProblem:
     chunk: int = 8192  # tokens per pass when accumulating Gram matrices (memory bound, not math)
     seed: int = 0
     layer_index: int = 0
+    dtype: torch.dtype = torch.float64  # Gram accumulation and solves (the method's ``precision``)
 
     @property
     def has_bias(self) -> bool:
@@ -40,13 +42,14 @@ class LayerProblem:
 
     @cached_property
     def Y(self) -> torch.Tensor:
-        """Dense outputs; kept because the gradient steps need them per token."""
-        return torch.cat([self.dense(x) for x in self.X.split(self.chunk)])
+        """Dense outputs ``[N, d]`` in the dtype of ``X`` (the Adam steps need them per token): one
+        copy, computed a chunk at a time; recomputing them per step would cost a dense forward each."""
+        return torch.cat([self.dense(x.float()).to(self.X.dtype) for x in self.X.split(self.chunk)])
 
     @cached_property
     def H(self) -> torch.Tensor:
         """Gram matrix ``Z̃ Z̃ᵀ`` of the dense intermediate activations (``Z̃ = [Z; 1]`` with bias)."""
-        H = gram(self.dense, self.X, self.chunk)
+        H = gram(self.dense, self.X, self.chunk, dtype=self.dtype)
         check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
         return H
 
@@ -65,17 +68,18 @@ class LayerProblem:
         return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 
-def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None):
-    """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks."""
+def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64):
+    """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks: float32
+    products of each chunk, summed in ``dtype``."""
     bias = mlp.b_out is not None
     n = mlp.width + bias
-    H = torch.zeros(n, n, dtype=torch.float64, device=X.device)
-    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=torch.float64, device=X.device)
+    H = torch.zeros(n, n, dtype=dtype, device=X.device)
+    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=X.device)
     for start in range(0, X.shape[0], chunk):
-        Z = augment(mlp.hidden(X[start:start + chunk]), bias)
-        H += (Z.T @ Z).double()
+        Z = augment(mlp.hidden(X[start:start + chunk].float()), bias)
+        H += (Z.T @ Z).to(dtype)
         if Y is not None:
-            YZ += (Y[start:start + chunk].T @ Z).double()
+            YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
     return H if Y is None else (H, YZ)
 
 
@@ -107,6 +111,8 @@ class Method:
     fits: ClassVar[bool] = True
     # How the channel budget may be spread over layers (a method's ``allocation`` field picks one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
+    # Gram accumulation and solve precision; methods that solve declare it as a hyperparameter.
+    precision = "float64"
 
     def __post_init__(self) -> None:
         check_fields(self)

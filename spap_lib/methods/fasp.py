@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import hp
-from ..linalg import lstsq_columns, mean_diag
+from ..linalg import PRECISIONS, lstsq_columns, mean_diag
 from .base import LayerProblem, Method, PruneResult, register
 from .spap import get_out, set_out
 
@@ -22,6 +22,7 @@ from .spap import get_out, set_out
 @dataclass
 class FASP(Method):
     name = "fasp"
+    precision: str = hp("float64", choices=tuple(PRECISIONS))  # Gram sums and solves, as SPAP's
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)), the same damping as SPAP's solves
 
     def prune(self, problem: LayerProblem) -> PruneResult:
@@ -31,7 +32,7 @@ class FASP(Method):
         score = dense.W_out.double().abs().sum(0) * xnorm
         keep = torch.sort(torch.topk(score, n - problem.n_remove).indices).values
         cols = torch.cat([keep, keep.new_tensor([n])]) if problem.has_bias else keep
-        W0 = get_out(dense).double()
+        W0 = get_out(dense).to(H.dtype)
         mlp = dense.select(keep)
         set_out(mlp, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])))
         return PruneResult(mlp=mlp, keep=keep)

@@ -25,7 +25,7 @@ import torch
 
 from ..adapters import MLP
 from ..checks import ParameterError, hp
-from ..linalg import lstsq_columns, mean_diag, ridge
+from ..linalg import PRECISIONS, lstsq_columns, mean_diag, ridge, sq_norm
 from .base import LayerProblem, Method, PruneResult, gram, register
 
 
@@ -51,21 +51,21 @@ def penalty_method(
 
     Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics.
     """
-    H = H.double()
+    dtype = H.dtype  # the method's precision
     n = H.shape[0] - int(bias)
     scale = mean_diag(H[:n, :n])
     delta = damp * scale
     xnorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()  # ‖Z_j‖₂ over all calibration tokens
-    WH = W0.double() @ H  # = Y Z̃ᵀ, since Y = W0 Z̃
-    W = W0.double()
-    s = torch.zeros(n, dtype=torch.float64, device=H.device)
+    WH = W0.to(dtype) @ H  # = Y Z̃ᵀ, since Y = W0 Z̃
+    W = W0.to(dtype)
+    s = torch.zeros(n, dtype=dtype, device=H.device)
     rho = rho0 * scale
     for _ in range(K):
         score = column_scores(W[:, :n], xnorm, t)
         s_new = torch.zeros_like(s)
         s_new[torch.topk(score, lam, largest=False).indices] = 1.0
         s = alpha * s + (1 - alpha) * s_new
-        penalty = torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device)
+        penalty = torch.full((H.shape[0],), delta, dtype=dtype, device=H.device)
         penalty[:n] += rho * s  # the bias column is never penalised
         W = ridge(WH, H, penalty)
         rho *= tau
@@ -84,8 +84,8 @@ def penalty_method(
 
 def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
     """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``."""
-    W = W.double()
-    return float(YY - 2 * (W * YZ).sum() + ((W @ H) * W).sum())
+    W = W.double()  # in float64 whatever the precision: a difference of large, nearly equal terms
+    return float(YY - 2 * (W * YZ.double()).sum() + ((W @ H.double()) * W).sum())
 
 
 def get_out(mlp: MLP) -> torch.Tensor:
@@ -106,7 +106,7 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens."""
     for _ in range(steps):
         idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
-        loss = torch.nn.functional.mse_loss(mlp(X[idx]), Y[idx])
+        loss = torch.nn.functional.mse_loss(mlp(X[idx].float()), Y[idx].float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -133,14 +133,14 @@ def alternating_update(
     Returns the iterate with the lowest calibration error (the initial one included, so the update
     can never make a layer worse on its calibration data) and the relative error per iteration.
     """
-    YY = max(float(Y.double().pow(2).sum()), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
-    n = mlp.width
+    YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
+    n, dtype = mlp.width, H.dtype
     start = reconstruction_error(get_out(mlp), H, YZ, YY) / YY
 
     def closed_form_out() -> float:
-        H, YZ = gram(mlp, X, chunk, Y)
+        H, YZ = gram(mlp, X, chunk, Y, dtype=dtype)
         delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
-        W_aug = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=torch.float64, device=H.device))
+        W_aug = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=dtype, device=H.device))
         set_out(mlp, W_aug)
         return reconstruction_error(W_aug, H, YZ, YY) / YY
 
@@ -194,6 +194,7 @@ class SPAP(Method):
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     lr: float = hp(1e-3, gt=0)  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
+    precision: str = hp("float64", choices=tuple(PRECISIONS))  # Gram sums and solves (float32: Jacobi-scaled)
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
     allocation: str = "uniform"
@@ -219,7 +220,7 @@ class SPAP(Method):
             # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
             cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
             H = problem.H[cols][:, cols]
-            YZ = get_out(problem.dense).double() @ problem.H[:, cols]
+            YZ = get_out(problem.dense).to(problem.dtype) @ problem.H[:, cols]
             mlp, history = alternating_update(
                 mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
@@ -247,14 +248,14 @@ class SPAPNoUpdate(SPAP):
 
 @torch.no_grad()
 def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
-    return sum(float((mlp(x) - y).double().pow(2).sum()) for x, y in zip(X.split(chunk), Y.split(chunk)))
+    return sum(float((mlp(x.float()) - y.float()).double().pow(2).sum()) for x, y in zip(X.split(chunk), Y.split(chunk)))
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
                     batch_tokens: int, chunk: int, seed: int) -> tuple[MLP, list[float]]:
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
-    YY = max(float(Y.double().pow(2).sum()), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
+    YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     params = [*mlp.W_in, mlp.W_out, *(b for b in [*mlp.b_in, mlp.b_out] if b is not None)]
     return optimise_rounds(mlp, X, Y, params, calibration_error(mlp, X, Y, chunk) / YY,
                            lambda: calibration_error(mlp, X, Y, chunk) / YY, rounds=rounds, steps=steps, lr=lr,

@@ -1,0 +1,111 @@
+"""Where SPAP's time goes on one decoder layer, next to FASP on the same layer (issue: scale).
+
+Captures the dense MLP inputs of one layer of a real model (calibration windows as in the grid),
+then prunes that layer with FASP and with SPAP, timing each stage by wrapping the functions that
+do the work (Gram passes, Cholesky solves, Adam steps, error evaluations). Writes a CSV + Markdown
+twin with the command, so the breakdown in the README is regenerated, not typed.
+
+    python bench/profile_layer.py --model smollm2-135m --layer 15 --nsamples 32 --seqlen 512
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import pandas as pd
+import torch
+
+import spap_lib as sl
+from spap_lib import linalg
+from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.methods import LayerProblem, base
+from spap_lib.methods import spap as spap_mod
+
+# (module, function name, stage label): the functions that do the work, wrapped with a timer
+STAGES = [
+    (base, "gram", "Gram passes (Z Zᵀ, Y Zᵀ)"),
+    (linalg, "solve_spd", "Cholesky solves"),
+    (spap_mod, "adam_steps_on", "Adam steps"),
+    (spap_mod, "calibration_error", "error evaluations"),
+]
+
+
+@contextmanager
+def timed(totals: dict):
+    originals = []
+    for module, name, label in STAGES:
+        fn = getattr(module, name)
+        originals.append((module, name, fn))
+
+        def wrapper(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] += time.perf_counter() - t0
+
+        setattr(module, name, wrapper)
+        # modules that imported the function by name hold their own reference
+        for other in (spap_mod, base, sys.modules["spap_lib.methods.fasp"]):
+            if getattr(other, name, None) is fn:
+                originals.append((other, name, fn))
+                setattr(other, name, wrapper)
+    try:
+        yield
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layer", type=int, default=15)
+    ap.add_argument("--sparsity", type=float, default=0.2)
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--methods", default="fasp,spap_no_update,spap,spap_gd")
+    ap.add_argument("--out", default="bench/results/profile_layer.csv")
+    args = ap.parse_args(argv)
+    command = " ".join(["python", "bench/profile_layer.py", *(sys.argv[1:] if argv is None else argv)])
+    loaded = sl.load(args.model, device="cpu")
+    calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
+    layers = loaded.adapter.layers()
+    hidden, kwargs = first_layer_inputs(loaded.model, layers, calib.windows, 1, loaded.device)
+    for i, layer in enumerate(layers[:args.layer + 1]):
+        out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1,
+                        watch=loaded.adapter.mlp_input_module(layer))
+        hidden = out
+    plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
+    rows = []
+    for name in args.methods.split(","):
+        problem = LayerProblem(loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove, layer_index=args.layer)
+        totals: dict = defaultdict(float)
+        t0 = time.perf_counter()
+        with timed(totals):
+            sl.get_method(name).prune(problem)
+        total = time.perf_counter() - t0
+        rows += [{"method": name, "stage": label, "seconds": sec} for label, sec in totals.items()]
+        rows.append({"method": name, "stage": "other (penalty loop bookkeeping, selection, copies)",
+                     "seconds": total - sum(totals.values())})
+        rows.append({"method": name, "stage": "total", "seconds": total})
+        print(name, f"{total:.2f} s", dict(totals), flush=True)
+    frame = pd.DataFrame(rows)
+    frame["model"], frame["layer"], frame["tokens"] = args.model, args.layer, args.nsamples * args.seqlen
+    write_csv_atomic(args.out, frame)
+    totals = frame[frame["stage"] == "total"].set_index("method")["seconds"]
+    wide = frame.pivot_table(index="stage", columns="method", values="seconds", sort=False).round(2)
+    write_text_atomic(args.out.replace(".csv", ".md"), (
+        f"# One-layer time breakdown\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
+        f"Machine: {torch.get_num_threads()} CPU threads, float32 weights; layer {args.layer} of {args.model}, "
+        f"{args.nsamples} x {args.seqlen} calibration tokens, sparsity {args.sparsity}, default hyperparameters.\n\n"
+        f"{wide.to_markdown()}\n\nRatio to FASP: "
+        + ", ".join(f"{m} {totals[m] / totals['fasp']:.1f}x" for m in totals.index if "fasp" in totals) + "\n"))
+
+
+if __name__ == "__main__":
+    main()
