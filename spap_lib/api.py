@@ -19,9 +19,11 @@ from .checks import ParameterError, Spec, check_values, fits_context
 from .data import Calibration, calibration_windows
 from .evaluate import perplexity
 from .linalg import NumericalError, nonfinite_parameters
+from .memory import measured
 from .methods import Method, get_method
 from .models import Loaded, ModelSource, context_length, pick_device, read_config, resolve
 from .pipeline import SparsityPlan, plan_sparsity, prune_model
+from .plan import Plan, local_device, plan
 
 
 class CheckpointError(RuntimeError):
@@ -38,6 +40,7 @@ class RunCheck:
     method: Method | None = None
     plan: SparsityPlan | None = None
     out_state: str | None = None  # "new", "empty" or "checkpoint" (replaced: overwrite=True)
+    memory_time: Plan | None = None  # the plan's peak memory and time (``spap_lib.plan``)
 
     def summary(self) -> str:
         lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
@@ -50,6 +53,8 @@ class RunCheck:
                          f"MLP = {p.mlp_share:.1%} of decoder params)")
         if self.out_state is not None:
             lines.append(f"out_dir: {self.out_state}" + (" (will be replaced)" if self.out_state == "checkpoint" else ""))
+        if self.memory_time is not None:
+            lines.append(self.memory_time.table())
         return "\n".join(lines)
 
 
@@ -96,6 +101,18 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
         check.plan = plan_sparsity(adapter, sparsity, round_to)
         if algo is not None:
             algo.prepare(adapter)  # e.g. FLAP's bias slot
+        if algo is not None and nsamples and seqlen:
+            row, memory_gb = local_device(pick_device(device))
+            check.memory_time = plan(model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples,
+                                     seqlen=seqlen, eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows,
+                                     device=row, device_memory_gb=memory_gb, config=config)
+            if not check.memory_time.fits:
+                p = check.memory_time
+                raise ParameterError(
+                    f"this run does not fit: the plan's peak device memory is {p.peak_device_gb:.1f} GB, "
+                    f"{p.device_memory_gb:.1f} GB are available on {p.device}. Use fewer calibration tokens "
+                    f"(nsamples x seqlen), hparams {{'precision': 'float32'}}, or a larger device "
+                    f"(offload to host memory is not implemented yet).\n{p.table()}")
     if out_dir is not None:
         protect = {"the source model": _source_path(source), "the run folder": run_dir}
         check.out_state = io.check_out_dir(out_dir, overwrite=overwrite,
@@ -176,9 +193,10 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         )
     before = param_counts(loaded)
     torch.manual_seed(seed)
-    run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
-                      batch_size=batch_size, seed=seed, propagate=propagate, progress=progress, inputs=inputs,
-                      stats=stats)
+    with measured(loaded.device) as memory:
+        run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
+                          batch_size=batch_size, seed=seed, propagate=propagate, progress=progress, inputs=inputs,
+                          stats=stats)
     after = param_counts(loaded)
     widths = [len(k) for k in run["kept_channels"]]
     return {
@@ -201,6 +219,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         },
         "params": {"dense": before, "pruned": after},
         "seconds": run["seconds"],
+        "memory": memory,
         "layers": run["layers"],
         "kept_channels": run["kept_channels"],
     }

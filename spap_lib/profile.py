@@ -9,14 +9,13 @@ peak is reset after loading and warm-up, so it is what generation needs: weights
 from __future__ import annotations
 
 import multiprocessing as mp
-import resource
 import statistics
-import sys
 import time
 
 import torch
 
 from .adapters import get_adapter
+from .memory import peak_rss_mb, reset_peak_rss
 
 
 def weights_read_per_token(model) -> int:
@@ -61,30 +60,6 @@ def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, 
         peak = peak_rss_mb()
     return {"seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
             "seconds_all": times, "peak_mem_mb": peak}
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's resident-set high-water mark (Linux), so the peak covers generation only."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set of this process: VmHWM on Linux (per address space, so a spawned child does
-    not inherit its parent's peak the way ``ru_maxrss`` does across exec), ru_maxrss elsewhere."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**10  # kB
-    except OSError:
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 
 
 def _child(queue, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int, threads: int | None):

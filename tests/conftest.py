@@ -44,6 +44,14 @@ def tiny_model(arch: str, seed: int = 0):
     return model
 
 
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

@@ -90,3 +90,55 @@ def test_nan_and_singular_gram_raise_clear_errors():
         check_finite(H, "Gram")
     with pytest.raises(NumericalError, match="singular"):
         solve_spd(torch.zeros(3, 3), torch.ones(3, 1))
+
+
+def test_float32_solves_are_jacobi_scaled_and_match_float64():
+    """Activation Gram matrices span many orders of magnitude (here 1e-6 … 1e6 on the diagonal): the
+    float32 solve (scaled to unit diagonal) matches the float64 one."""
+    from spap_lib.linalg import solve_spd
+
+    g = torch.Generator().manual_seed(0)
+    Z = torch.randn(40, 400, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 40, dtype=torch.float64)[:, None]
+    H = Z @ Z.T
+    B = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    exact = solve_spd(H.clone(), B)
+    got = solve_spd(H.float().clone(), B.float()).double()
+    assert got.dtype == torch.float64 and torch.allclose(got, exact, rtol=1e-3, atol=1e-3 * exact.abs().max())
+
+
+def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch):
+    """When the float32 Cholesky reports a failed pivot, the same (scaled) system is solved in float64."""
+    from spap_lib import linalg
+
+    g = torch.Generator().manual_seed(1)
+    Z = torch.randn(6, 50, generator=g, dtype=torch.float64)
+    A, B = Z @ Z.T, torch.randn(6, 2, generator=g, dtype=torch.float64)
+    real, calls = torch.linalg.cholesky_ex, []
+
+    def failing_in_float32(M):
+        calls.append(M.dtype)
+        L, info = real(M)
+        return (L, torch.ones_like(info)) if M.dtype == torch.float32 else (L, info)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", failing_in_float32)
+    got = linalg.solve_spd(A.float().clone(), B.float())
+    assert calls == [torch.float32, torch.float64] and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), torch.linalg.solve(A, B), rtol=1e-4, atol=1e-4)
+
+
+def test_spap_float32_keeps_the_float64_channels_on_a_layer(loaded, windows):
+    import spap_lib as sl
+    from spap_lib.capture import first_layer_inputs, replay
+    from spap_lib.methods import LayerProblem
+
+    hidden, kwargs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 4, "cpu")
+    layer = loaded.adapter.layers()[0]
+    _, X = replay(layer, hidden, {b: kw[0] for b, kw in kwargs.items()}, 4, watch=loaded.adapter.mlp_input_module(layer))
+    results = {}
+    for precision, dtype in (("float64", torch.float64), ("float32", torch.float32)):
+        problem = LayerProblem(loaded.adapter.get_mlp(layer), X, 20, dtype=dtype)
+        method = sl.get_method("spap", K=10, am_iters=0, precision=precision)
+        results[precision] = method.prune(problem)
+        assert problem.H.dtype == dtype
+    assert torch.equal(results["float32"].keep, results["float64"].keep)
+    torch.testing.assert_close(results["float32"].mlp.W_out, results["float64"].mlp.W_out, rtol=1e-3, atol=1e-3)

@@ -1,0 +1,64 @@
+"""The plan's predictions against a measured prune on this machine (issue: scale).
+
+Prunes a real model with SPAP on the grid's calibration protocol and compares the measured working
+memory (peak resident set during the prune minus the resident set before it: activations, the
+layer's solver state, temporaries) and prune time with what ``spap_lib.plan`` predicted from the
+config alone. ``--hparams`` shortens the run (memory does not depend on the iteration counts).
+
+    python bench/plan_check.py --model smollm2-135m --nsamples 32 --seqlen 512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+import spap_lib as sl
+from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.plan import plan
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2-135m")
+    ap.add_argument("--method", default="spap")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--hparams", default="{}", help="JSON overrides of the method's defaults")
+    ap.add_argument("--out", default="bench/results/plan_check.csv")
+    args = ap.parse_args(argv)
+    command = " ".join(["python", "bench/plan_check.py", *(sys.argv[1:] if argv is None else argv)])
+    hparams = json.loads(args.hparams)
+    out = Path(args.out)
+    table = pd.read_csv(out) if out.is_file() else pd.DataFrame()
+    for model in args.models.split(","):
+        p = plan(model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
+                 eval_seqlen=args.seqlen, device="cpu-2core")
+        loaded = sl.load(model, device="cpu")
+        calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
+        report = sl.prune(loaded, calib, args.method, 0.2, hparams=hparams, progress=False)
+        mem = report["memory"]
+        predicted_work = p.peak_device_gb - p.memory_gb["weights"] - p.memory_gb["evaluation logits"]
+        row = {"model": model, "method": args.method, "hparams": json.dumps(hparams), "tokens": args.nsamples * args.seqlen,
+               "predicted working GB": round(predicted_work, 3),
+               "measured working GB": round((mem["peak_rss_mb"] - mem["rss_before_mb"]) / 1024, 3),
+               "resident before GB": round(mem["rss_before_mb"] / 1024, 3),
+               "predicted weights GB": p.memory_gb["weights"],
+               "predicted prune s": round(p.total_seconds - p.seconds["perplexity (dense + pruned)"]),
+               "measured prune s": round(report["seconds"])}
+        table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
+        write_csv_atomic(out, table)
+        print(row, flush=True)
+    write_text_atomic(out.with_suffix(".md"), (
+        f"# The plan against measured prunes (this 2-core CPU, float32)\n\nCommand: `{command}`  \n"
+        f"Revision: `{git_revision()}`  \nWorking memory = peak resident set during the prune minus the resident "
+        "set before it (weights, Python and libraries); predicted = the plan's peak minus weights and evaluation "
+        "logits. Prune time: the plan's compute-only estimate from this machine's measured rates.\n\n"
+        + table.to_markdown(index=False) + "\n"))
+
+
+if __name__ == "__main__":
+    main()

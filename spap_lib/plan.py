@@ -1,0 +1,199 @@
+"""A plan before every run: peak memory and time per stage, from the model's config alone.
+
+``plan(model, method=..., nsamples=..., seqlen=..., device=...)`` reads a config (the shipped
+``model_configs.json`` for the paper's aliases, so it works offline for them; the checkpoint's or
+GGUF's config otherwise), builds the model on the meta device to count parameters exactly, and
+applies the formulas below. It never reads a weight and never needs the target device: a laptop
+plans an H100 run. ``02_prune`` prints it first and refuses a run that cannot fit.
+
+Memory (bytes; ``b`` = weight/activation dtype bytes on the device, ``p`` = the method's precision
+bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP width, ``V`` vocab):
+
+* weights: every parameter, resident (``offload="none"``, the only mode implemented so far);
+* calibration activations while a layer is pruned: layer inputs, dense outputs, MLP inputs ``X`` and
+  (fitting methods) dense targets ``Y``: ``4·N·d·b``; plus one batch through the layer;
+* the layer's solver working set (fitting methods): the Gram matrix, its damped copy and Cholesky
+  factor ``3·(n+1)²·p``, the float32 product of one chunk ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``,
+  float32 copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk
+  ``chunk·(n+2d)·4``;
+* evaluation: the logits of one window, ``eval_seqlen·V·(b + 8)``.
+
+Time: floating-point operations of each stage divided by a throughput table
+(``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
+spec-sheet assumptions until measured). A model of compute only: transfers and Python overhead are
+not in it, so it is a lower bound where those dominate (tiny models).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .adapters import get_adapter
+from .checks import ParameterError, Spec, check_values
+
+HERE = Path(__file__).resolve().parent
+CONFIGS = json.loads((HERE / "model_configs.json").read_text())
+THROUGHPUT = json.loads((HERE / "throughput.json").read_text())
+OFFLOADS = ("auto", "none")  # "cpu" and "disk" (sequential onloading) are not implemented yet
+WIKITEXT2_TEST_TOKENS = 290_000  # whole test split, Llama-3/Qwen tokenizers (approximate; GPT-2 BPE: 287k)
+GB = 1024**3
+
+
+def shipped_config(alias: str):
+    """The config of a paper model alias from ``model_configs.json`` (no network), or None."""
+    from transformers import AutoConfig
+
+    if alias not in CONFIGS or alias.startswith("_"):
+        return None
+    fields = dict(CONFIGS[alias])
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+@dataclass
+class Plan:
+    model: str
+    method: str
+    device: str  # a key of throughput.json, e.g. "cpu-2core", "h100", "rtx4090"
+    offload: str
+    peak_device_gb: float
+    peak_host_gb: float
+    fits: bool
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage
+    memory_gb: dict[str, float] = field(default_factory=dict)  # the peak's parts
+    device_memory_gb: float | None = None
+    host_memory_gb: float | None = None
+    throughput_source: str = ""
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def table(self) -> str:
+        rows = [f"plan: {self.model}, {self.method}, on {self.device} (offload {self.offload})"]
+        limit = f" of {self.device_memory_gb:.0f} GB" if self.device_memory_gb else ""
+        rows.append(f"  peak device memory {self.peak_device_gb:8.2f} GB{limit}"
+                    f"   peak host memory {self.peak_host_gb:.2f} GB   fits: {'yes' if self.fits else 'NO'}")
+        rows += [f"    {k:<28} {v:8.2f} GB" for k, v in self.memory_gb.items()]
+        rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
+        rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
+        return "\n".join(rows)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
+
+
+def _duration(s: float) -> str:
+    return f"{s:.1f} s" if s < 120 else (f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h")
+
+
+def _counts(config) -> dict:
+    """Exact parameter counts from a meta-device model (no memory, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    adapter = get_adapter(model)
+    layer = adapter.layers()[0]
+    return {"total": sum(p.numel() for p in model.parameters()), "decoder": adapter.decoder_params(),
+            "layers": len(adapter.layers()), "width": adapter.width(layer),
+            "hidden": config.hidden_size, "vocab": model.get_input_embeddings().weight.shape[0],
+            "heads": config.num_attention_heads, "per_channel": adapter.params_per_channel(layer)}
+
+
+def local_device(device: torch.device) -> tuple[str, float | None]:
+    """The ``throughput.json`` row and memory (GB) of ``device`` on this machine: a CUDA device's name
+    matched to a row (its total memory), else this project's measured CPU row (available RAM)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).lower().replace(" ", "")
+        row = next((r for r in THROUGHPUT if r.replace("-", "") in name), "h100")
+        return row, torch.cuda.get_device_properties(device).total_memory / GB
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration):
+        free = None
+    return "cpu-2core", free
+
+
+def plan(model: str, *, method: str = "spap", hparams: dict | None = None, sparsity: float = 0.2,
+         nsamples: int = 128, seqlen: int = 2048, eval_seqlen: int = 2048, eval_windows: int | None = None,
+         device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
+         offload: str = "auto", dtype: str = "auto", batch_size: int = 1, chunk: int = 8192, config=None) -> Plan:
+    """Peak memory and time of pruning ``model`` (alias, checkpoint dir or .gguf) before any weight is read.
+
+    ``device`` names a row of ``throughput.json`` (its ``memory_gb`` is the default
+    ``device_memory_gb``); ``dtype="auto"`` is float32 on a CPU row, bfloat16 on a GPU row.
+    ``config`` skips reading the model's config again when the caller has it.
+    """
+    from .methods import get_method
+    from .models import read_config, resolve
+
+    if device not in THROUGHPUT:
+        raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
+                             "(add a row with bench/throughput.py)")
+    if offload not in OFFLOADS:
+        raise ParameterError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r} (cpu and disk "
+                             "offload are not implemented yet)")
+    check_values(("nsamples", nsamples, Spec(int, ge=1)), ("seqlen", seqlen, Spec(int, ge=2)),
+                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2)), ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
+                 ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
+                 ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
+                 ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)))
+    algo = get_method(method, **(hparams or {}))
+    config = config or shipped_config(model) or read_config(resolve(model))
+    c = _counts(config)
+    rates = THROUGHPUT[device]["flops_per_second"]
+    gpu = not device.startswith("cpu")
+    b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    p = 8 if algo.precision == "float64" else 4
+    N, d, n, L, V = nsamples * seqlen, c["hidden"], c["width"], c["layers"], c["vocab"]
+    n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
+    fits_ls = algo.fits
+
+    memory = {"weights": c["total"] * b,
+              "calibration activations": (4 if fits_ls else 3) * N * d * b,
+              "one batch through a layer": batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
+    if fits_ls:
+        memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
+        memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
+    memory["evaluation logits"] = eval_seqlen * V * (b + 8)
+    calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
+    eval_peak = memory["weights"] + memory["evaluation logits"]
+    peak_device = max(calib_peak, eval_peak)
+    # Host: the checkpoint is read into host memory before it moves to the device (from_pretrained).
+    peak_host = peak_device if not gpu else c["total"] * b + N * 8
+    device_memory_gb = device_memory_gb or THROUGHPUT[device].get("memory_gb")
+
+    mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
+    mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
+    layer_params = c["decoder"] / L
+    forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
+    passes = 2 if algo.propagates else 1
+    hp = algo.hparams()
+    seconds = {"calibration forward passes": L * passes * forward / mm}
+    if fits_ls:
+        gram = 4 * N * d * n + 2 * N * n * n
+        seconds["dense Gram pass"] = L * (gram + 6 * N * d * n) / mm32
+        K = hp.get("K", 0)
+        seconds["penalty / refit solves"] = L * (K + 1) * ((n + 1) ** 3 / 3 + 2 * (n + 1) ** 2 * d) / chol
+        rounds, steps, batch = hp.get("am_iters", 0), hp.get("adam_steps", 0), hp.get("batch_tokens", 0)
+        if rounds:
+            adam = rounds * steps * min(batch, N) * 18 * d * n_keep
+            seconds["Adam steps"] = L * adam / mm32
+            per_round = (4 * N * d * n_keep + 2 * N * n_keep**2 + 2 * N * d * n_keep) if algo.name == "spap" \
+                else 6 * N * d * n_keep  # spap_gd: a forward pass for the error
+            seconds["alternating rounds (Gram / error)"] = L * rounds * per_round / mm32
+            if algo.name == "spap":
+                seconds["alternating rounds (solves)"] = L * rounds * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
+    else:
+        seconds["channel statistics"] = L * 4 * N * d * n / mm32
+    eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
+    seconds["perplexity (dense + pruned)"] = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / mm
+    fits = (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
+           (host_memory_gb is None or peak_host / GB <= host_memory_gb)
+    return Plan(model, algo.name, device, "none", round(peak_device / GB, 3), round(peak_host / GB, 3), fits,
+                seconds, {k: round(v / GB, 3) for k, v in memory.items()}, device_memory_gb, host_memory_gb,
+                THROUGHPUT[device]["source"])

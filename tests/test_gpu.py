@@ -1,0 +1,46 @@
+"""The same invariants on CUDA (skipped where there is none: CI, this project's CPU machines).
+
+Run on a GPU machine with ``pytest -m gpu``: every method prunes the tiny models on the device,
+global allocation (which indexed CPU tensors with CUDA indices) works there, and the float32
+precision path keeps the float64 channels.
+"""
+import pytest
+import torch
+
+import spap_lib as sl
+from spap_lib.data import Calibration
+from spap_lib.models import Loaded, ModelSource
+
+pytestmark = pytest.mark.gpu
+FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
+
+
+def _on_cuda(arch):
+    from conftest import tiny_model
+
+    model = tiny_model(arch).to("cuda")
+    return Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("method", sorted(sl.METHODS))
+def test_every_method_prunes_on_cuda(method, arch, windows, tiny_tokenizer, tmp_path):
+    loaded = _on_cuda(arch)
+    loaded.tokenizer = tiny_tokenizer
+    hp = FAST if method in ("spap", "spap_gd") else ({"K": 5} if method == "spap_no_update" else {})
+    if method == "flap" and arch in ("qwen2", "gemma3"):
+        hp = {"bias": False}
+    calib = Calibration(windows, torch.arange(len(windows)), "v", "s", 1, 0)
+    report = sl.prune(loaded, calib, method, 0.3, hparams=hp, progress=False)
+    assert report["memory"]["cuda_peak_mb"] > 0
+    sl.save(loaded, report, tmp_path / "m")  # finite logits and the reload check, on the device
+
+
+def test_spap_global_allocation_and_float32_on_cuda(windows):
+    calib = Calibration(windows, torch.arange(len(windows)), "v", "s", 1, 0)
+    kept = {}
+    for precision in ("float64", "float32"):
+        loaded = _on_cuda("llama")
+        report = sl.prune(loaded, calib, "spap", 0.3, hparams={**FAST, "allocation": "global", "precision": precision},
+                          progress=False)
+        kept[precision] = report["kept_channels"]
+    assert kept["float32"] == kept["float64"]
