@@ -25,8 +25,8 @@ def main() -> None:
             for precision in ("float64", "float32"):
                 p = plan(model, hparams={"precision": precision}, nsamples=128, seqlen=2048, device=device)
                 rows.append({"model": model, "device": f"{device} ({THROUGHPUT[device]['memory_gb']} GB)",
-                             "precision": precision, "weights GB": p.memory_gb["weights"],
-                             "peak device GB": p.peak_device_gb, "fits": "yes" if p.fits else "no",
+                             "precision": precision, "weights GB": round(p.memory_gb["weights"], 2),
+                             "peak device GB": round(p.peak_device_gb, 2), "fits": "yes" if p.fits else "no",
                              "time (compute only)": f"{p.total_seconds / 60:.0f} min",
                              "largest stage": max(p.seconds, key=p.seconds.get)})
     frame = pd.DataFrame(rows)

@@ -6,6 +6,7 @@ same calls serve scripts and benchmarks. ``check_run`` refuses bad input before 
 """
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from dataclasses import dataclass
@@ -96,8 +97,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if sparsity is not None:
         from transformers import AutoModelForCausalLM
 
-        with torch.device("meta"):  # shapes only: no memory, no weights
-            adapter = get_adapter(AutoModelForCausalLM.from_config(config))
+        with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
+            adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
         check.plan = plan_sparsity(adapter, sparsity, round_to)
         if algo is not None:
             algo.prepare(adapter)  # e.g. FLAP's bias slot

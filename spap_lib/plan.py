@@ -25,6 +25,7 @@ not in it, so it is a lower bound where those dominate (tiny models).
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,6 +72,11 @@ class Plan:
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
 
+    @property
+    def prune_working_gb(self) -> float:
+        """What pruning adds to the resident weights at its peak (activations, solver state, temporaries)."""
+        return sum(v for k, v in self.memory_gb.items() if k not in ("weights", "evaluation logits"))
+
     def table(self) -> str:
         rows = [f"plan: {self.model}, {self.method}, on {self.device} (offload {self.offload})"]
         limit = f" of {self.device_memory_gb:.0f} GB" if self.device_memory_gb else ""
@@ -94,13 +100,14 @@ def _counts(config) -> dict:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     adapter = get_adapter(model)
     layer = adapter.layers()[0]
     return {"total": sum(p.numel() for p in model.parameters()), "decoder": adapter.decoder_params(),
             "layers": len(adapter.layers()), "width": adapter.width(layer),
             "hidden": config.hidden_size, "vocab": model.get_input_embeddings().weight.shape[0],
-            "heads": config.num_attention_heads, "per_channel": adapter.params_per_channel(layer)}
+            "heads": config.num_attention_heads, "per_channel": adapter.params_per_channel(layer),
+            "in_proj": len(adapter.in_names)}  # 2 for gate/up (GLU), 1 for OPT's fc1
 
 
 def local_device(device: torch.device) -> tuple[str, float | None]:
@@ -175,25 +182,25 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
     hp = algo.hparams()
     seconds = {"calibration forward passes": L * passes * forward / mm}
     if fits_ls:
-        gram = 4 * N * d * n + 2 * N * n * n
-        seconds["dense Gram pass"] = L * (gram + 6 * N * d * n) / mm32
+        io_ = c["in_proj"]
+        gram = 2 * io_ * N * d * n + 2 * N * n * n
+        seconds["dense Gram pass"] = L * (gram + 2 * (io_ + 1) * N * d * n) / mm32  # + the targets Y
         K = hp.get("K", 0)
         seconds["penalty / refit solves"] = L * (K + 1) * ((n + 1) ** 3 / 3 + 2 * (n + 1) ** 2 * d) / chol
         rounds, steps, batch = hp.get("am_iters", 0), hp.get("adam_steps", 0), hp.get("batch_tokens", 0)
         if rounds:
-            adam = rounds * steps * min(batch, N) * 18 * d * n_keep
+            adam = rounds * steps * min(batch, N) * 6 * (io_ + 1) * d * n_keep  # forward + backward
             seconds["Adam steps"] = L * adam / mm32
-            per_round = (4 * N * d * n_keep + 2 * N * n_keep**2 + 2 * N * d * n_keep) if algo.name == "spap" \
-                else 6 * N * d * n_keep  # spap_gd: a forward pass for the error
+            per_round = (2 * io_ * N * d * n_keep + 2 * N * n_keep**2 + 2 * N * d * n_keep) if algo.name == "spap" \
+                else 2 * (io_ + 1) * N * d * n_keep  # spap_gd: a forward pass for the error
             seconds["alternating rounds (Gram / error)"] = L * rounds * per_round / mm32
             if algo.name == "spap":
                 seconds["alternating rounds (solves)"] = L * rounds * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
     else:
-        seconds["channel statistics"] = L * 4 * N * d * n / mm32
+        seconds["channel statistics"] = L * 2 * c["in_proj"] * N * d * n / mm32
     eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
     seconds["perplexity (dense + pruned)"] = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / mm
     fits = (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
            (host_memory_gb is None or peak_host / GB <= host_memory_gb)
-    return Plan(model, algo.name, device, "none", round(peak_device / GB, 3), round(peak_host / GB, 3), fits,
-                seconds, {k: round(v / GB, 3) for k, v in memory.items()}, device_memory_gb, host_memory_gb,
-                THROUGHPUT[device]["source"])
+    return Plan(model, algo.name, device, "none", peak_device / GB, peak_host / GB, fits, seconds,
+                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb, THROUGHPUT[device]["source"])

@@ -64,7 +64,7 @@ def test_a_run_that_does_not_fit_is_refused_before_loading(tmp_path, tiny_tokeni
     ok = sl.check_run(str(tmp_path / "m"), method="spap", sparsity=0.2, nsamples=4, seqlen=16)
     assert ok.memory_time.fits and "plan:" in ok.summary()
     counted = sum(p.numel() for p in model.parameters()) * 4 / GB
-    assert ok.memory_time.memory_gb["weights"] == pytest.approx(counted, rel=1e-3)
+    assert ok.memory_time.memory_gb["weights"] == pytest.approx(counted, rel=1e-6)
     from spap_lib import api
 
     monkeypatch.setattr(api, "local_device", lambda device: ("cpu-2core", 1e-6))
@@ -72,28 +72,33 @@ def test_a_run_that_does_not_fit_is_refused_before_loading(tmp_path, tiny_tokeni
         sl.check_run(str(tmp_path / "m"), method="spap", sparsity=0.2, nsamples=4, seqlen=16)
 
 
+@pytest.mark.slow
 def test_predicted_working_memory_matches_a_measured_prune():
     """The plan's memory for a layer's work (everything but the weights) against the resident-set
-    increase of a real prune, on a model large enough for the tensors to dominate allocator noise."""
+    increase of a real prune, on a layer wide enough (n = 4096) for its tensors to dominate allocator
+    noise (at n = 1536 the same comparison wanders by ±50% between identical runs)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from spap_lib.data import Calibration
     from spap_lib.models import Loaded, ModelSource
 
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=1536, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=4096, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
-    windows = torch.randint(0, 256, (64, 256), generator=torch.Generator().manual_seed(0))
+    windows = torch.randint(0, 256, (32, 256), generator=torch.Generator().manual_seed(0))
     hp = {"K": 2, "am_iters": 1, "adam_steps": 1, "batch_tokens": 512}
-    report = sl.prune(loaded, Calibration(windows, torch.arange(64), "v", "s", 1, 0), "spap", 0.2, hparams=hp,
+    p = plan("t", method="spap", hparams=hp, nsamples=32, seqlen=256, eval_seqlen=256, config=config)
+    # A first prune warms up the libraries (their one-off initialisation is not the method's memory).
+    sl.prune(loaded.copy(), Calibration(windows[:2], torch.arange(2), "v", "s", 1, 0), "spap", 0.2, hparams=hp,
+             progress=False)
+    report = sl.prune(loaded, Calibration(windows, torch.arange(32), "v", "s", 1, 0), "spap", 0.2, hparams=hp,
                       progress=False)
     mem = report["memory"]
     if not mem["peak_reset"]:
         pytest.skip("no resettable peak resident set on this OS")
     measured = (mem["peak_rss_mb"] - mem["rss_before_mb"]) / 1024
-    p = plan("t", method="spap", hparams=hp, nsamples=64, seqlen=256, eval_seqlen=256, config=config)
-    predicted = p.peak_device_gb - p.memory_gb["weights"] - p.memory_gb["evaluation logits"]
+    predicted = p.prune_working_gb
     print(f"working memory: predicted {predicted * 1024:.0f} MB, measured {measured * 1024:.0f} MB")
-    assert 0.6 < measured / predicted < 1.4
+    assert 0.7 < measured / predicted < 1.4
