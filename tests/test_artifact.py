@@ -95,3 +95,19 @@ def test_committed_result_tables(name):
     assert table["sparsity"].between(0, 1, inclusive="left").all()
     manifest = json.loads(path.with_suffix(".manifest.json").read_text())
     assert manifest["git_revision"] and manifest["versions"]["torch"].startswith("2.13.0")
+
+
+@pytest.mark.parametrize("config", ["smoke.yaml", "offline.yaml", "paper.yaml", "ablate_offline.yaml"])
+def test_every_config_value_has_the_type_its_notebooks_declare(config):
+    """A chain config feeds every notebook: a name declared by two notebooks with two types (05's list of
+    kept-width multiples vs 02's one multiple, once both `round_to`) fails here, not in `make main`."""
+    from typing import Optional
+
+    from spap_lib.checks import check_notebook_parameters
+    from spap_lib.nbparams import for_notebook
+
+    for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
+        declared = {name: eval(ast.unparse(node.annotation), {"Optional": Optional})  # noqa: S307 - our own cells
+                    for name, node in _parameters(notebook.name).items()}
+        params = for_notebook(REPO / "configs" / config, notebook)
+        check_notebook_parameters({"__annotations__": {k: declared[k] for k in params}, **params}, notebook.stem)

@@ -56,7 +56,7 @@ def test_calibrate_then_prune_chain(tmp_path):
 
     # 05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64)
     pm.execute_notebook(NOTEBOOKS / "05_profile.ipynb", tmp_path / "05.ipynb",
-                        parameters=smoke("05_profile.ipynb", run_dir=str(run), round_to=[None, 64], new_tokens=4,
+                        parameters=smoke("05_profile.ipynb", run_dir=str(run), variant_round_to=[None, 64], new_tokens=4,
                                          repeats=1, rounds=2),
                         progress_bar=False, cwd=str(NOTEBOOKS))
     prof = pd.read_csv(run / "profile.csv")
