@@ -59,8 +59,11 @@ class RunCheck:
         return "\n".join(lines)
 
 
-def _source_path(source: ModelSource) -> Path | None:
-    return Path(source.path) if source.kind in ("dir", "gguf") else None
+def _protected(source: ModelSource, **more) -> dict:
+    """What an out_dir may never replace: the source model's folder (local sources) and ``more``
+    ({description: path}, e.g. the run folder); ``None`` entries are dropped."""
+    local = Path(source.path) if source.kind in ("dir", "gguf") else None
+    return {k: v for k, v in {"the source model": local, **more}.items() if v is not None}
 
 
 def check_run(model: str, *, method: str | None = None, sparsity: float | None = None, hparams: dict | None = None,
@@ -115,9 +118,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                     f"(nsamples x seqlen), hparams {{'precision': 'float32'}}, or a larger device "
                     f"(offload to host memory is not implemented yet).\n{p.table()}")
     if out_dir is not None:
-        protect = {"the source model": _source_path(source), "the run folder": run_dir}
         check.out_state = io.check_out_dir(out_dir, overwrite=overwrite,
-                                           protect={k: v for k, v in protect.items() if v is not None})
+                                           protect=_protected(source, **{"the run folder": run_dir}))
     return check
 
 
@@ -282,9 +284,7 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     fields = io.manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
     plan = {"model": loaded.source.as_dict(), "kept_channels": report["kept_channels"]}
-    source = _source_path(loaded.source)
-    guard = {**({"the source model": source} if source else {}), **(protect or {})}
     return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={io.PLAN: plan},
-                          overwrite=overwrite, protect=guard,
+                          overwrite=overwrite, protect=_protected(loaded.source, **(protect or {})),
                           check=lambda tmp: check_reload(loaded.model, tmp, sample, logits))
 

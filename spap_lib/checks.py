@@ -41,6 +41,12 @@ class Spec:
     choices: tuple | None = None
     optional: bool = False
 
+    @classmethod
+    def of(cls, annotation, **bounds) -> "Spec":
+        """The spec of an annotation (``int``, ``Optional[int]``, ``dict``...) with ``bounds``."""
+        base, optional = _base_type(annotation)
+        return cls(type=base, optional=optional, **bounds)
+
     def describe(self) -> str:
         bounds = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
                   if bound is not None]
@@ -95,9 +101,9 @@ def fits_context(name: str, tokens: int | None, context: int | None, model: str 
                              f"(max_position_embeddings): use {name} <= {context}")
 
 
-def hp(default, *, doc: str = "", **spec):
-    """A method hyperparameter: a dataclass field carrying its ``Spec`` (type from the annotation)."""
-    return field(default=default, metadata={"spec": spec, "doc": doc})
+def hp(default, **bounds):
+    """A method hyperparameter: a dataclass field carrying its ``Spec`` bounds (type from the annotation)."""
+    return field(default=default, metadata={"spec": bounds})
 
 
 def check_fields(obj) -> None:
@@ -105,9 +111,7 @@ def check_fields(obj) -> None:
     hints = typing.get_type_hints(type(obj))
     where = getattr(obj, "name", type(obj).__name__)
     for f in dataclasses.fields(obj):
-        base, optional = _base_type(hints[f.name])
-        spec = Spec(type=base, optional=optional, **f.metadata.get("spec", {}))
-        spec.check(f.name, getattr(obj, f.name), where=f"method {where!r}")
+        Spec.of(hints[f.name], **f.metadata.get("spec", {})).check(f.name, getattr(obj, f.name), where=f"method {where!r}")
 
 
 def _base_type(annotation) -> tuple[type, bool]:
@@ -144,5 +148,4 @@ def check_notebook_parameters(namespace: dict, notebook: str) -> None:
         raise ParameterError(f"{notebook} does not take the parameter(s) {', '.join(hints)}; "
                              f"it takes {', '.join(sorted(declared))}")
     for name, annotation in declared.items():
-        base, optional = _base_type(annotation)
-        Spec(type=base, optional=optional).check(name, namespace[name], where=notebook)
+        Spec.of(annotation).check(name, namespace[name], where=notebook)
