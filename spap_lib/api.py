@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +22,13 @@ from .checks import ParameterError, Spec, check_values, fits_context
 from .data import Calibration, calibration_windows
 from .evaluate import perplexity
 from .linalg import NumericalError, nonfinite_parameters
+from .capture import streamed_logits
 from .memory import measured
 from .methods import Method, get_method
 from .models import Loaded, ModelSource, context_length, pick_device, read_config, resolve
 from .pipeline import SparsityPlan, plan_sparsity, prune_model
-from .plan import Plan, local_device, plan
+from .onload import SafetensorsStore, check_offload, write_checkpoint_weights
+from .plan import Plan, available_host_gb, local_device, plan
 
 
 class CheckpointError(RuntimeError):
@@ -42,6 +46,7 @@ class RunCheck:
     plan: SparsityPlan | None = None
     out_state: str | None = None  # "new", "empty" or "checkpoint" (replaced: overwrite=True)
     memory_time: Plan | None = None  # the plan's peak memory and time (``spap_lib.plan``)
+    offload: str = "none"  # resolved: "auto" becomes the fastest mode the plan says fits
 
     def summary(self) -> str:
         lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
@@ -70,13 +75,17 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
               nsamples: int | None = None, seqlen: int | None = None, eval_seqlen: int | None = None,
               eval_windows: int | None = None, seed: int = 0, round_to: int | None = None,
               propagate: bool | None = None, device: str = "auto", out_dir: str | Path | None = None,
-              run_dir: str | Path | None = None, overwrite: bool = False) -> RunCheck:
+              run_dir: str | Path | None = None, overwrite: bool = False, offload: str = "auto",
+              spill_dir: str | Path | None = None) -> RunCheck:
     """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
 
     Reads only the model's config (GGUF: its metadata): the architecture, the context length that
     ``seqlen``/``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and
     the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
-    spap checkpoint, and neither the source model nor ``run_dir``.
+    spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.onload``)
+    ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this device, the host's
+    available memory and the free space under ``spill_dir`` (disk); without a plan (no method or
+    calibration size), ``none``.
     """
     check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
                  ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
@@ -87,9 +96,12 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                  ("propagate", propagate, Spec(bool, optional=True)),
                  ("overwrite", overwrite, Spec(bool)),
                  ("hparams", hparams, Spec(dict, optional=True)))
+    check_offload(offload)
     algo = get_method(method, **(hparams or {})) if method is not None else None
     pick_device(device)
     source = resolve(model)
+    if offload == "disk" and source.kind == "dir":
+        SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
     if sparsity is not None and getattr(config, "spap_mlp_widths", None):
         raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
@@ -106,21 +118,37 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
         if algo is not None:
             algo.prepare(adapter)  # e.g. FLAP's bias slot
         if algo is not None and nsamples and seqlen:
-            row, memory_gb = local_device(pick_device(device))
-            check.memory_time = plan(model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples,
-                                     seqlen=seqlen, eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows,
-                                     device=row, device_memory_gb=memory_gb, config=config)
-            if not check.memory_time.fits:
-                p = check.memory_time
+            dev = pick_device(device)
+            row, memory_gb = local_device(dev)
+            spill_root = Path(spill_dir) if spill_dir else Path(tempfile.gettempdir())
+            while not spill_root.exists():
+                spill_root = spill_root.parent
+            check.memory_time = p = plan(
+                model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples, seqlen=seqlen,
+                eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows, device=row, device_memory_gb=memory_gb,
+                host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
+                disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
+            if not p.fits:
                 raise ParameterError(
-                    f"this run does not fit: the plan's peak device memory is {p.peak_device_gb:.1f} GB, "
-                    f"{p.device_memory_gb:.1f} GB are available on {p.device}. Use fewer calibration tokens "
-                    f"(nsamples x seqlen), hparams {{'precision': 'float32'}}, or a larger device "
-                    f"(offload to host memory is not implemented yet).\n{p.table()}")
+                    f"this run does not fit with offload={p.offload!r}: the plan needs {p.peak_device_gb:.1f} GB on "
+                    f"{p.device} ({_limit(p.device_memory_gb)}), {p.peak_host_gb:.1f} GB of host memory "
+                    f"({_limit(p.host_memory_gb)})" + (f", {p.disk_gb:.1f} GB of disk under {spill_root} "
+                                                       f"({_limit(p.disk_free_gb)} free)" if p.offload == "disk" else "")
+                    + ". Use " + ("offload='disk' (weights read layer by layer), " if p.offload != "disk" else
+                                  "a spill_dir on a larger disk, ")
+                    + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
+                    f"device.\n{p.table()}")
+            check.offload = p.offload
+    if offload != "auto":
+        check.offload = offload
     if out_dir is not None:
         check.out_state = io.check_out_dir(out_dir, overwrite=overwrite,
                                            protect=_protected(source, **{"the run folder": run_dir}))
     return check
+
+
+def _limit(gb: float | None) -> str:
+    return f"{gb:.1f} GB available" if gb is not None else "not checked"
 
 
 def param_counts(loaded: Loaded) -> dict:
@@ -164,7 +192,8 @@ def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_win
         blob = json.loads(Path(cache).read_text())
         if blob.get("protocol") == key:
             return blob["perplexity"]
-    ppl = perplexity(loaded.model, loaded.tokenizer, eval_seqlen, eval_windows, progress=progress)
+    ppl = perplexity(loaded.model, loaded.tokenizer, eval_seqlen, eval_windows, progress=progress,
+                     onloader=loaded.onloader)
     if cache:
         io.write_json_atomic(cache, io.manifest(protocol=key, perplexity=ppl, params=param_counts(loaded)))
     return ppl
@@ -198,7 +227,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     torch.manual_seed(seed)
     with measured(loaded.device) as memory:
         run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
-                          batch_size=batch_size, seed=seed, propagate=propagate, progress=progress, inputs=inputs,
+                          onloader=loaded.onloader, batch_size=batch_size, seed=seed, propagate=propagate, progress=progress, inputs=inputs,
                           stats=stats)
     after = param_counts(loaded)
     widths = [len(k) for k in run["kept_channels"]]
@@ -222,6 +251,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         },
         "params": {"dense": before, "pruned": after},
         "seconds": run["seconds"],
+        "offload": loaded.offload,
         "memory": memory,
         "layers": run["layers"],
         "kept_channels": run["kept_channels"],
@@ -269,6 +299,39 @@ def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) 
             "sample_tokens": int(sample.numel())}
 
 
+@torch.no_grad()
+def _streamed_sample_logits(model, onloader, sample: torch.Tensor) -> torch.Tensor:
+    out = []
+    streamed_logits(model, onloader, sample, lambda _i, logits: out.append(logits))
+    return out[0]
+
+
+def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logits: torch.Tensor) -> dict:
+    """The reload check of an offloaded model, within its memory: the written checkpoint is opened with
+    ``offload="disk"`` (config and tensor names as stock loading reads them; every tensor required)
+    and its logits, computed layer by layer, compared with those of the model that was saved."""
+    from .models import load as load_model
+
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[loaded.model.dtype]
+    reloaded = load_model(str(path), device=str(loaded.device), dtype=dtype, offload="disk")
+    try:
+        unused = reloaded.onloader.store.names() - {n for n, _ in reloaded.model.named_parameters()} - \
+            {f"{reloaded.onloader.prefix}.{i}.{n}" for i, layer in enumerate(reloaded.adapter.layers())
+             for n, _ in layer.named_parameters()}
+        if unused:
+            raise CheckpointError(f"the saved checkpoint has tensors its config does not use ({sorted(unused)[:5]}); "
+                                  "it was not installed")
+        diff = float((_streamed_sample_logits(reloaded.model, reloaded.onloader, sample) - logits).abs().max())
+    finally:
+        reloaded.onloader.close()
+    tol = 1e-4 if loaded.model.dtype == torch.float32 else 1e-2
+    if not diff <= tol:
+        raise CheckpointError(f"the saved checkpoint does not reload to the same model (max |logit diff| {diff:.3g} "
+                              f"> {tol}); it was not installed")
+    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": "spap_lib.load(offload='disk')",
+            "sample_tokens": int(sample.numel())}
+
+
 def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool = False,
          protect: dict | None = None, **extra) -> Path:
     """Save the pruned model, tokenizer, manifest (report + versions + git) and the plan
@@ -279,12 +342,24 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     atomically. ``out_dir`` must be new, empty or (``overwrite``) a previous spap checkpoint; it may
     not be the source model or any path in ``protect`` ({description: path}).
     """
-    sample = _sample(loaded.model)
-    logits = finite_logits(loaded.model, sample)  # before anything is written
     fields = io.manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
     plan = {"model": loaded.source.as_dict(), "kept_channels": report["kept_channels"]}
+    protect = _protected(loaded.source, **(protect or {}))
+    io.check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # before the sample pass
+    if loaded.offload == "none":
+        sample = _sample(loaded.model)
+        logits = finite_logits(loaded.model, sample)  # before anything is written
+        check, write = (lambda tmp: check_reload(loaded.model, tmp, sample, logits)), None
+    else:  # offloaded: the same checks, one layer at a time
+        sample = _sample(loaded.model).cpu()
+        logits = _streamed_sample_logits(loaded.model, loaded.onloader, sample)
+        if not bool(torch.isfinite(logits).all()):
+            raise CheckpointError(f"the pruned model's logits are not finite (activations overflow in "
+                                  f"{loaded.model.dtype} or non-finite weights); it is not saved")
+        check = lambda tmp: check_reload_streamed(loaded, tmp, sample, logits)  # noqa: E731
+        write = (lambda tmp: write_checkpoint_weights(loaded.model, loaded.onloader, tmp)) \
+            if loaded.offload == "disk" else None
     return io.save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={io.PLAN: plan},
-                          overwrite=overwrite, protect=_protected(loaded.source, **(protect or {})),
-                          check=lambda tmp: check_reload(loaded.model, tmp, sample, logits))
+                          overwrite=overwrite, protect=protect, check=check, write=write)
 

@@ -46,10 +46,12 @@ def _recording(layers: nn.ModuleList, all_layers: bool):
 
 
 @torch.no_grad()
-def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.Tensor, batch_size: int, device):
+def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.Tensor, batch_size: int, device,
+                       host=None):
     """Layer-0 inputs ``[n, seqlen, d]`` for token ``windows [n, seqlen]``, and per-layer kwargs.
 
-    ``kwargs[b][i]`` are the keyword arguments of layer ``i`` for a batch of ``b`` windows.
+    ``kwargs[b][i]`` are the keyword arguments of layer ``i`` for a batch of ``b`` windows (on the
+    device: rotary tables and masks, small). The inputs are kept on ``host`` (default: the device).
     """
     hidden, kwargs = [], {}
     for start in range(0, windows.shape[0], batch_size):
@@ -60,10 +62,48 @@ def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.T
                 model(input_ids=batch, use_cache=False)
             except _Stop:
                 pass
-        hidden.append(rec["hidden"])
+        hidden.append(rec["hidden"] if host is None else rec["hidden"].to(host))
         if want_all:
             kwargs[batch.shape[0]] = rec["kwargs"]
     return torch.cat(hidden), kwargs
+
+
+@contextmanager
+def returning(layers: nn.ModuleList, final: torch.Tensor):
+    """Make the decoder layers a no-op whose last one returns ``final`` (outputs computed layer by layer
+    elsewhere), so the model's own forward applies its final norm, head and any logit soft-capping."""
+    def make(i: int):
+        def passthrough(hidden_states, *args, **kwargs):
+            return final.to(hidden_states.device) if i == len(layers) - 1 else hidden_states
+        return passthrough
+
+    try:
+        for i, layer in enumerate(layers):
+            layer.forward = make(i)
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+@torch.no_grad()
+def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume) -> None:
+    """The model's logits for every window ``[n, seqlen]``, computed one decoder layer at a time over
+    all windows (``onloader``: where the weights wait); ``consume(i, logits)`` gets window ``i``'s.
+
+    The same operations as ``model(window)`` in the same order, batch 1: equal results, with only one
+    layer's weights and the windows' hidden states (in host memory) alive.
+    """
+    layers, device = onloader.layers, onloader.device
+    with onloader.base():
+        hidden, kwargs = first_layer_inputs(model, layers, windows, 1, device, host=onloader.host)
+    for i in range(len(layers)):
+        with onloader.layer(i) as layer:
+            hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1, device=device)[0]
+    with onloader.base():
+        for w in range(windows.shape[0]):
+            with returning(layers, hidden[w:w + 1]):
+                consume(w, model(input_ids=windows[w:w + 1].to(device), use_cache=False).logits)
 
 
 def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
@@ -88,18 +128,21 @@ def capture_inputs(module: nn.Module):
 
 
 @torch.no_grad()
-def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None):
+def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
+           device=None):
     """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
 
-    Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
-    ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm).
+    Returns the layer outputs (where ``hidden`` is) and, if ``watch`` is given, the inputs seen by
+    ``watch`` as ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm, on the device).
+    With ``device``, ``hidden`` may wait in host memory: each batch is moved there and back.
     """
     outs = []
     if watch is None:
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start:start + batch_size]
-            outs.append(run_layer(layer, h, kwargs[h.shape[0]]))
+            out = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+            outs.append(out.to(hidden.device))
         return torch.cat(outs), None
     with capture_inputs(watch) as seen:
-        out, _ = replay(layer, hidden, kwargs, batch_size)
+        out, _ = replay(layer, hidden, kwargs, batch_size, device=device)
     return out, torch.cat(seen)

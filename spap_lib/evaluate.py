@@ -10,6 +10,7 @@ import math
 import torch
 from tqdm import tqdm
 
+from .capture import streamed_logits
 from .checks import Spec, fits_context
 from .data import tokenize, wikitext
 from .linalg import NumericalError
@@ -18,7 +19,9 @@ from .models import context_length
 
 @torch.no_grad()
 def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | None = None,
-                      device=None, progress: bool = True) -> dict:
+                      device=None, progress: bool = True, onloader=None) -> dict:
+    """``onloader`` with offloaded weights (``Loaded.onloader``): evaluate layer by layer over all
+    windows, within the memory of one decoder layer (``capture.streamed_logits``)."""
     Spec(int, ge=2).check("eval_seqlen", seqlen)
     Spec(int, ge=1, optional=True).check("eval_windows", max_windows)  # None = the whole test split
     fits_context("eval_seqlen", seqlen, context_length(model.config))
@@ -27,21 +30,30 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
         raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
     if max_windows is not None:
         n = min(n, int(max_windows))
-    device = device or next(model.parameters()).device
-    total = 0.0
-    for i in tqdm(range(n), desc=f"ppl@{seqlen}", disable=not progress):
-        x = ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device)
-        logits = model(input_ids=x, use_cache=False).logits[0, :-1].float()
-        loss = float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="mean"))
+    losses = []
+
+    def nll(i: int, logits: torch.Tensor) -> None:
+        x = ids[i * seqlen:(i + 1) * seqlen].to(logits.device)
+        loss = float(torch.nn.functional.cross_entropy(logits[0, :-1].float(), x[1:], reduction="mean"))
         if not math.isfinite(loss):
             raise NumericalError(f"window {i} of ppl@{seqlen}: the loss is {loss} (NaN/Inf logits): the model is "
                                  "numerically broken; its perplexity would be meaningless")
-        total += loss
-    return {"ppl": math.exp(total / n), "seqlen": seqlen, "windows": n, "all_windows": n == ids.numel() // seqlen}
+        losses.append(loss)
+
+    if onloader is not None and onloader.streams:
+        streamed_logits(model, onloader, ids[:n * seqlen].reshape(n, seqlen), nll)
+    else:
+        device = device or next(model.parameters()).device
+        for i in tqdm(range(n), desc=f"ppl@{seqlen}", disable=not progress):
+            nll(i, model(input_ids=ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device), use_cache=False).logits)
+    return {"ppl": math.exp(sum(losses) / n), "seqlen": seqlen, "windows": n,
+            "all_windows": n == ids.numel() // seqlen}
 
 
-def perplexity(model, tokenizer, seqlen: int = 2048, max_windows: int | None = None, progress: bool = True) -> dict:
+def perplexity(model, tokenizer, seqlen: int = 2048, max_windows: int | None = None, progress: bool = True,
+               onloader=None) -> dict:
     """WikiText-2 test perplexity; the returned dict says how many windows were used."""
     text = wikitext("test")
-    result = perplexity_of_ids(model, tokenize(tokenizer, text.text), seqlen, max_windows, progress=progress)
+    result = perplexity_of_ids(model, tokenize(tokenizer, text.text), seqlen, max_windows, progress=progress,
+                               onloader=onloader)
     return {**result, "source": text.source}

@@ -96,6 +96,8 @@ def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """``"name: k NaN, m Inf"`` for every parameter of ``model`` that is not finite."""
     bad = []
     for name, p in model.named_parameters():
+        if p.is_meta:  # not loaded (offload="disk"): checked when its layer is onloaded
+            continue
         finite = torch.isfinite(p)
         if not bool(finite.all()):
             nan = int(torch.isnan(p).sum())

@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 
 from .adapters import Adapter, get_adapter, supported_model_types
+from .checks import ParameterError
 from .data import hub_reachable
+from .onload import DiskOffload, GGUFStore, HostOffload, Onloader, SafetensorsStore, check_offload, load_base
 
 HUB_ALIASES: dict[str, str] = {
     "opt-125m": "facebook/opt-125m",
@@ -245,9 +247,20 @@ class Loaded:
     adapter: Adapter
     source: ModelSource
     device: torch.device
+    onloader: Onloader | None = None  # where the weights wait between uses (``spap_lib.onload``)
+
+    def __post_init__(self):
+        if self.onloader is None:
+            self.onloader = Onloader(self.model, self.adapter.layers(), self.device)
+
+    @property
+    def offload(self) -> str:
+        return self.onloader.mode
 
     def copy(self) -> Loaded:
         """A deep copy of the model (tokenizer and source shared): prune many variants from one load."""
+        if self.offload != "none":
+            raise ParameterError(f"copy() needs a resident model (offload='none'), this one is offload={self.offload!r}")
         model = copy.deepcopy(self.model)
         return Loaded(model, self.tokenizer, get_adapter(model), self.source, self.device)
 
@@ -279,23 +292,74 @@ def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
         raise ValueError(f"{path}: checkpoint does not match its config (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
     model.tie_weights()
+    return model.eval()  # as from_pretrained: no dropout (OPT has some)
+
+
+def weight_store(source: ModelSource, skeleton: torch.nn.Module):
+    """The model's tensors, readable one at a time (``offload="disk"``): safetensors files of a local
+    directory or the hub cache, or a GGUF file; pickle checkpoints are refused with the alternatives."""
+    if source.kind == "gguf":
+        return GGUFStore(Path(source.path) / source.gguf_file, skeleton)
+    folder = Path(source.path)
+    if source.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source.path, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt"],
+                                        local_files_only=bool(_hub_kwargs(source))))
+    return SafetensorsStore(folder)
+
+
+def _skeleton(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+    """The model on the meta device (accelerate's ``init_empty_weights``): shapes, no memory;
+    per-layer widths of a spap checkpoint re-applied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(source)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    widths = getattr(config, "spap_mlp_widths", None)
+    if widths:
+        adapter = get_adapter(model)
+        for layer, width in zip(adapter.layers(), widths):
+            adapter.resize(layer, width)
     return model
 
 
-def load(name: str, device: str = "auto", dtype: str = "auto") -> Loaded:
-    """Load a causal LM and its tokenizer; fail early on architectures spap cannot prune."""
+def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "none",
+         spill_dir: str | Path | None = None) -> Loaded:
+    """Load a causal LM and its tokenizer; fail early on architectures spap cannot prune.
+
+    ``offload`` (``spap_lib.onload``): ``none`` puts the model on the device; ``cpu`` keeps it in host
+    memory; ``disk`` reads only embeddings, final norm and head now, decoder layers when they are
+    used (pruned layers are spilled to a folder under ``spill_dir``, default the system temp dir).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_offload(offload)
+    if offload == "auto":
+        raise ParameterError("load() takes offload none, cpu or disk; 'auto' is resolved by the plan (sl.check_run)")
     source = resolve(name)
     dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     extra.update(_hub_kwargs(source))
     with _readable(source):
-        if source.kind == "dir" and "spap_mlp_widths" in json.loads((Path(source.path) / "config.json").read_text()):
-            model = load_nonuniform(source.path, pick_dtype(dtype, dev))
+        if offload == "disk":
+            model = _skeleton(source, dt)
+            adapter = get_adapter(model)
+            store = weight_store(source, model)
+            onloader = DiskOffload(model, adapter.layers(), dev, store, dt, spill_dir)
+            load_base(model, onloader, store, dt)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=pick_dtype(dtype, dev), **extra,
-                                                         **_dequantize(source))
+            if source.kind == "dir" and "spap_mlp_widths" in json.loads((Path(source.path) / "config.json").read_text()):
+                model = load_nonuniform(source.path, dt)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, **extra, **_dequantize(source))
+            adapter = get_adapter(model)
+            onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
+                HostOffload(model, adapter.layers(), dev)
+            model.to(dev if offload == "none" else "cpu")
         tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
-    model.to(dev).eval()
-    return Loaded(model, tokenizer, get_adapter(model), source, dev)
+    model.eval()
+    return Loaded(model, tokenizer, adapter, source, dev, onloader)

@@ -15,9 +15,10 @@ from tqdm import tqdm
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec
-from .linalg import PRECISIONS, check_finite
+from .linalg import PRECISIONS, NumericalError, check_finite, nonfinite_parameters
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
+from .onload import Onloader
 from .stats import ChannelStats, block_angular
 
 
@@ -82,19 +83,21 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     return plan
 
 
-def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: int = 8192,
-                progress: bool = True) -> list[ChannelStats]:
+def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
+                chunk: int = 8192, progress: bool = True) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
     ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``.
     """
+    onloader = onloader or _resident(adapter)
     hidden, kwargs = inputs
     stats = []
-    for i, layer in enumerate(tqdm(adapter.layers(), desc="dense statistics", disable=not progress)):
-        out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
-                        watch=adapter.mlp_input_module(layer))
-        check_finite(X, f"layer {i}: the MLP inputs")
-        s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
+    for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
+        with onloader.layer(i) as layer:
+            out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
+                            watch=adapter.mlp_input_module(layer), device=onloader.device)
+            check_finite(X, f"layer {i}: the MLP inputs")
+            s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out
@@ -102,10 +105,14 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, batch_size: int = 1, chunk: 
 
 
 def needs_dense_stats(method: Method, propagate: bool) -> bool:
-    """Dense statistics are used by score methods that do not propagate, and by any non-uniform
-    allocation (decided before the first layer is pruned)."""
-    dense_scores = isinstance(method, ScoreMethod) and not propagate
-    return dense_scores or getattr(method, "allocation", "uniform") != "uniform"
+    """Dense statistics are used by methods that score dense channels without propagating, and by any
+    non-uniform allocation (decided before the first layer is pruned)."""
+    return (method.scores_dense and not propagate) or getattr(method, "allocation", "uniform") != "uniform"
+
+
+def _resident(adapter: Adapter) -> Onloader:
+    layer = adapter.layers()[0]
+    return Onloader(adapter.model, adapter.layers(), next(layer.parameters()).device)
 
 
 def prune_model(
@@ -116,6 +123,7 @@ def prune_model(
     plan: SparsityPlan,
     *,
     device: torch.device | str,
+    onloader: Onloader | None = None,
     batch_size: int = 1,
     chunk: int = 8192,
     seed: int = 0,
@@ -130,73 +138,92 @@ def prune_model(
     pruned layer i (SPAP, FASP) instead of the dense one. Score methods without propagation work
     from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
     ``allocation`` is decided on dense statistics before the first layer is pruned.
+    ``onloader`` (``spap_lib.onload``) says where weights wait between layers; default: resident.
     ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
     Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
     every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
     """
     propagate = method.propagates if propagate is None else propagate
+    onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
     method.prepare(adapter)  # architecture checks before any work
     t0 = time.perf_counter()
     layers = adapter.layers()
     if inputs is None:
-        inputs = first_layer_inputs(model, layers, windows, batch_size, device)
+        with onloader.base():
+            inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, host=onloader.host)
     uniform = getattr(method, "allocation", "uniform") == "uniform"
     if stats is None and needs_dense_stats(method, propagate):
-        stats = dense_stats(adapter, inputs, batch_size=batch_size, chunk=chunk, progress=progress)
-    if isinstance(method, ScoreMethod) and not propagate:
-        per_layer, kept = _prune_from_stats(adapter, method, plan, stats)
+        stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress)
+    removals = [plan.n_remove] * len(layers) if uniform else \
+        method.removals(stats, plan.width, plan.n_remove * len(layers), _allocation_scores(adapter, method, onloader, stats))
+    if method.scores_dense and not propagate:
+        per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)
     else:
-        removals = None if uniform else method.removals(
-            [adapter.get_mlp(layer) for layer in layers], stats, plan.width, plan.n_remove * len(layers))
         # Hand the layer-0 inputs to the loop in a list it empties, so they are freed once layer 0 has
         # used them (unless a caller such as the grid keeps its own reference to share them).
         hidden, kwargs = inputs
         carry = [hidden]
         del inputs, hidden
-        per_layer, kept = _prune_sequential(adapter, method, plan, carry, kwargs, removals, batch_size=batch_size,
+        per_layer, kept = _prune_sequential(adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size,
                                             chunk=chunk, seed=seed, propagate=propagate, progress=progress)
     adapter.set_config_width([len(k) for k in kept])
     return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept}
 
 
-def _prune_from_stats(adapter: Adapter, method: ScoreMethod, plan: SparsityPlan, stats: list[ChannelStats]):
-    layers = adapter.layers()
-    mlps = [adapter.get_mlp(layer) for layer in layers]
-    scores = [method.score(mlp, s) for mlp, s in zip(mlps, stats)]
-    removals = method.removals(mlps, stats, plan.width, plan.n_remove * len(layers), scores)
+def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):
+    """Every layer's dense channel scores, for a global allocation (FLAP); None for other allocations."""
+    if getattr(method, "allocation", "uniform") != "global":
+        return None
+    scores = []
+    for i, s in enumerate(stats):
+        with onloader.layer(i) as layer:
+            scores.append(method.allocation_scores(adapter.get_mlp(layer), s))
+    return scores
+
+
+def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader, stats: list[ChannelStats],
+                      removals: list[int]):
     per_layer, kept = [], []
-    for i, (layer, mlp, s, score, n_remove) in enumerate(zip(layers, mlps, stats, scores, removals)):
-        result = method.select(mlp, s, n_remove, score)
-        adapter.set_mlp(layer, result.mlp)
+    for i, (s, n_remove) in enumerate(zip(stats, removals)):
+        with onloader.layer(i) as layer:
+            result = method.select(adapter.get_mlp(layer), s, n_remove)
+            adapter.set_mlp(layer, result.mlp)
+            onloader.finished(i)
         per_layer.append({"layer": i, "removed": n_remove, **result.info})
         kept.append(result.keep.tolist())
     return per_layer, kept
 
 
-def _prune_sequential(adapter: Adapter, method: Method, plan: SparsityPlan, carry: list[torch.Tensor],
-                      kwargs: dict, removals: list[int] | None, *, batch_size: int, chunk: int, seed: int,
-                      propagate: bool, progress: bool):
+def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carry: list[torch.Tensor], kwargs: dict,
+                      removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool):
     hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
-    removals = removals or [plan.n_remove] * len(adapter.layers())
     per_layer, kept = [], []
-    for i, layer in enumerate(tqdm(adapter.layers(), desc=f"{method.name} layers", disable=not progress)):
+    for i in tqdm(range(len(adapter.layers())), desc=f"{method.name} layers", disable=not progress):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
-        out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer))
-        check_finite(X, f"layer {i}: the MLP inputs")
-        problem = LayerProblem(
-            dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
-            layer_index=i, dtype=PRECISIONS[method.precision],
-        )
-        # A layer whose output no channel affects (all-zero activations or output projection) has
-        # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
-        result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
-        del problem, X
-        adapter.set_mlp(layer, result.mlp)
-        # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
-        if propagate:
-            del out  # the dense outputs are not needed: keep at most two activation copies alive
-            out = replay(layer, hidden, layer_kwargs, batch_size)[0]
-            check_finite(out, f"layer {i}: the outputs of the pruned layer")
+        with onloader.layer(i) as layer:
+            if onloader.mode == "disk":  # resident weights were checked once, before the run
+                bad = nonfinite_parameters(layer)
+                if bad:
+                    raise NumericalError(f"layer {i}'s weights are not finite ({'; '.join(bad[:5])}): the model files "
+                                         "are damaged; spap cannot prune them")
+            out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
+                            device=onloader.device)
+            check_finite(X, f"layer {i}: the MLP inputs")
+            problem = LayerProblem(
+                dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
+                layer_index=i, dtype=PRECISIONS[method.precision],
+            )
+            # A layer whose output no channel affects (all-zero activations or output projection) has
+            # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
+            result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
+            del problem, X
+            adapter.set_mlp(layer, result.mlp)
+            # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
+            if propagate:
+                del out  # the dense outputs are not needed: keep at most two activation copies alive
+                out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device)[0]
+                check_finite(out, f"layer {i}: the outputs of the pruned layer")
+            onloader.finished(i)
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})
         kept.append(result.keep.tolist())

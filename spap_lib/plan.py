@@ -9,14 +9,22 @@ plans an H100 run. ``02_prune`` prints it first and refuses a run that cannot fi
 Memory (bytes; ``b`` = weight/activation dtype bytes on the device, ``p`` = the method's precision
 bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP width, ``V`` vocab):
 
-* weights: every parameter, resident (``offload="none"``, the only mode implemented so far);
-* calibration activations while a layer is pruned: layer inputs, dense outputs, MLP inputs ``X`` and
-  (fitting methods) dense targets ``Y``: ``4·N·d·b``; plus one batch through the layer;
+* weights: every parameter with ``offload="none"``; otherwise one decoder layer and its pruned copy
+  (``cpu``: the rest waits in host memory; ``disk``: in the model files);
+* calibration activations while a layer is pruned: layer inputs and dense outputs (on the device only
+  with ``offload="none"``; otherwise in host memory, ``2·N·d·b``), MLP inputs ``X`` and (fitting
+  methods) dense targets ``Y``: ``2·N·d·b``; plus one batch through the layer;
 * the layer's solver working set (fitting methods): the Gram matrix, its damped copy and Cholesky
   factor ``3·(n+1)²·p``, the float32 product of one chunk ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``,
   float32 copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk
   ``chunk·(n+2d)·4``;
-* evaluation: the logits of one window, ``eval_seqlen·V·(b + 8)``.
+* evaluation: the logits of one window, ``eval_seqlen·V·(b + 8)`` (offloaded: with the embeddings and
+  head on the device, while the windows' hidden states wait in host memory).
+
+Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``),
+or (``disk``) the embeddings/head, one layer and one dequantized GGUF tensor; plus the hidden states
+between layers (calibration or evaluation, whichever is larger). On a CPU row device and host are
+one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage divided by a throughput table
 (``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
@@ -34,11 +42,11 @@ import torch
 
 from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
+from .onload import check_offload
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
 THROUGHPUT = json.loads((HERE / "throughput.json").read_text())
-OFFLOADS = ("auto", "none")  # "cpu" and "disk" (sequential onloading) are not implemented yet
 WIKITEXT2_TEST_TOKENS = 290_000  # whole test split, Llama-3/Qwen tokenizers (approximate; GPT-2 BPE: 287k)
 GB = 1024**3
 
@@ -67,6 +75,8 @@ class Plan:
     device_memory_gb: float | None = None
     host_memory_gb: float | None = None
     throughput_source: str = ""
+    disk_gb: float = 0.0  # offload="disk": the pruned layers written as they finish
+    disk_free_gb: float | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -80,8 +90,12 @@ class Plan:
     def table(self) -> str:
         rows = [f"plan: {self.model}, {self.method}, on {self.device} (offload {self.offload})"]
         limit = f" of {self.device_memory_gb:.0f} GB" if self.device_memory_gb else ""
+        host = f" of {self.host_memory_gb:.0f} GB" if self.host_memory_gb else ""
         rows.append(f"  peak device memory {self.peak_device_gb:8.2f} GB{limit}"
-                    f"   peak host memory {self.peak_host_gb:.2f} GB   fits: {'yes' if self.fits else 'NO'}")
+                    f"   peak host memory {self.peak_host_gb:.2f} GB{host}   fits: {'yes' if self.fits else 'NO'}")
+        if self.offload == "disk":
+            free = f" of {self.disk_free_gb:.0f} GB free" if self.disk_free_gb is not None else ""
+            rows.append(f"  disk for the pruned layers {self.disk_gb:.2f} GB{free}")
         rows += [f"    {k:<28} {v:8.2f} GB" for k, v in self.memory_gb.items()]
         rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
@@ -117,23 +131,30 @@ def local_device(device: torch.device) -> tuple[str, float | None]:
         name = torch.cuda.get_device_name(device).lower().replace(" ", "")
         row = next((r for r in THROUGHPUT if r.replace("-", "") in name), "h100")
         return row, torch.cuda.get_device_properties(device).total_memory / GB
+    return "cpu-2core", available_host_gb()
+
+
+def available_host_gb() -> float | None:
+    """Host memory available to a new allocation (Linux MemAvailable), in GB; None where unknown."""
     try:
         with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 2**20
     except (OSError, StopIteration):
-        free = None
-    return "cpu-2core", free
+        return None
 
 
 def plan(model: str, *, method: str = "spap", hparams: dict | None = None, sparsity: float = 0.2,
          nsamples: int = 128, seqlen: int = 2048, eval_seqlen: int = 2048, eval_windows: int | None = None,
          device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
-         offload: str = "auto", dtype: str = "auto", batch_size: int = 1, chunk: int = 8192, config=None) -> Plan:
+         disk_free_gb: float | None = None, offload: str = "auto", dtype: str = "auto", batch_size: int = 1,
+         chunk: int = 8192, config=None) -> Plan:
     """Peak memory and time of pruning ``model`` (alias, checkpoint dir or .gguf) before any weight is read.
 
     ``device`` names a row of ``throughput.json`` (its ``memory_gb`` is the default
     ``device_memory_gb``); ``dtype="auto"`` is float32 on a CPU row, bfloat16 on a GPU row.
-    ``config`` skips reading the model's config again when the caller has it.
+    ``offload="auto"`` picks the fastest of none, cpu, disk that fits the device, the host memory and
+    (disk) ``disk_free_gb``; limits left at None are not checked. ``config`` skips reading the
+    model's config again when the caller has it.
     """
     from .methods import get_method
     from .models import read_config, resolve
@@ -141,38 +162,72 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
     if device not in THROUGHPUT:
         raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
                              "(add a row with bench/throughput.py)")
-    if offload not in OFFLOADS:
-        raise ParameterError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r} (cpu and disk "
-                             "offload are not implemented yet)")
+    check_offload(offload)
     check_values(("nsamples", nsamples, Spec(int, ge=1)), ("seqlen", seqlen, Spec(int, ge=2)),
                  ("eval_seqlen", eval_seqlen, Spec(int, ge=2)), ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
                  ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
-                 ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)))
+                 ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
+                 ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
     algo = get_method(method, **(hparams or {}))
     config = config or shipped_config(model) or read_config(resolve(model))
-    c = _counts(config)
+    args = dict(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
+                eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
+                chunk=chunk)
+    device_memory_gb = device_memory_gb or THROUGHPUT[device].get("memory_gb")
+    limits = dict(device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb, disk_free_gb=disk_free_gb)
+    if offload != "auto":
+        return _plan_one(model, offload, **args, **limits)
+    plans = [_plan_one(model, mode, **args, **limits) for mode in ("none", "cpu", "disk")]
+    return next((p for p in plans if p.fits), plans[-1])
+
+
+HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective); assumed, not measured
+DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
+
+
+def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: int, seqlen: int, eval_seqlen: int,
+              eval_windows: int | None, device: str, dtype: str, batch_size: int, chunk: int,
+              device_memory_gb: float | None, host_memory_gb: float | None, disk_free_gb: float | None) -> Plan:
     rates = THROUGHPUT[device]["flops_per_second"]
     gpu = not device.startswith("cpu")
     b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     p = 8 if algo.precision == "float64" else 4
-    N, d, n, L, V = nsamples * seqlen, c["hidden"], c["width"], c["layers"], c["vocab"]
+    d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
     fits_ls = algo.fits
+    layer_bytes = c["decoder"] / L * b
+    base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head
+    eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
 
-    memory = {"weights": c["total"] * b,
-              "calibration activations": (4 if fits_ls else 3) * N * d * b,
+    # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
+    memory = {"weights": c["total"] * b if offload == "none" else 2 * layer_bytes,  # a layer and its pruned copy
+              # layer inputs and outputs (resident only; offloaded they wait in host memory), MLP inputs X and
+              # (fitting methods) dense targets Y
+              "calibration activations": ((2 if offload == "none" else 0) + (2 if fits_ls else 1)) * N * d * b,
               "one batch through a layer": batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
     if fits_ls:
         memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
         memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
     memory["evaluation logits"] = eval_seqlen * V * (b + 8)
     calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
-    eval_peak = memory["weights"] + memory["evaluation logits"]
+    eval_peak = (memory["weights"] if offload == "none" else base_bytes) + memory["evaluation logits"]
     peak_device = max(calib_peak, eval_peak)
-    # Host: the checkpoint is read into host memory before it moves to the device (from_pretrained).
-    peak_host = peak_device if not gpu else c["total"] * b + N * 8
-    device_memory_gb = device_memory_gb or THROUGHPUT[device].get("memory_gb")
+    # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
+    hidden = 2 * N * d * b  # layer inputs and outputs between layers
+    eval_hidden = eval_windows_n * eval_seqlen * d * b
+    if not gpu and offload != "disk":  # a CPU is its own host: everything is in one memory
+        peak_host = peak_device = max(peak_device, c["total"] * b + max(calib_peak - memory["weights"], eval_peak))
+    elif offload == "none":
+        peak_host = c["total"] * b + N * 8
+    elif offload == "cpu":
+        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8
+    else:  # disk: the head, one layer, the activations; on a CPU the device terms are host memory too
+        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8
+        if not gpu:
+            peak_host = peak_device = peak_host + calib_peak - memory["weights"]
+    # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint.
+    disk_need = (c["decoder"] * n_keep / n + (c["total"] - c["decoder"])) * b if offload == "disk" else 0.0
 
     mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
     mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
@@ -200,7 +255,16 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
         seconds["channel statistics"] = L * 2 * c["in_proj"] * N * d * n / mm32
     eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
     seconds["perplexity (dense + pruned)"] = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / mm
+    if offload != "none" and gpu:
+        # Layers onloaded 5 times (prune, dense and pruned perplexity, the two save checks), activations
+        # copied in and out on every pass over a layer.
+        moved = 5 * c["decoder"] * b + L * (2 * passes * N + 4 * eval_tokens) * d * b
+        seconds["host <-> device copies (assumed 20 GB/s)"] = moved / (HOST_LINK_GB_S * GB)
+    if offload == "disk":
+        seconds["reading layers from disk (assumed 1.5 GB/s)"] = 5 * c["decoder"] * b / (DISK_GB_S * GB)
     fits = (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
-           (host_memory_gb is None or peak_host / GB <= host_memory_gb)
-    return Plan(model, algo.name, device, "none", peak_device / GB, peak_host / GB, fits, seconds,
-                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb, THROUGHPUT[device]["source"])
+           (host_memory_gb is None or peak_host / GB <= host_memory_gb) and \
+           (disk_free_gb is None or disk_need / GB <= disk_free_gb)
+    return Plan(model, algo.name, device, offload, peak_device / GB, peak_host / GB, fits, seconds,
+                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb, THROUGHPUT[device]["source"],
+                disk_need / GB, disk_free_gb)

@@ -111,6 +111,9 @@ class Method:
     fits: ClassVar[bool] = True
     # How the channel budget may be spread over layers (a method's ``allocation`` field picks one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
+    # Whether channels are chosen by a score of the dense layer alone (no fit): without propagation,
+    # one pass of dense statistics then serves every layer.
+    scores_dense: ClassVar[bool] = False
     # Gram accumulation and solve precision; methods that solve declare it as a hyperparameter.
     precision = "float64"
 
@@ -128,17 +131,16 @@ class Method:
         """Per-channel importance on dense statistics, for ``allocation="global"``."""
         raise NotImplementedError
 
-    def removals(self, mlps: list[MLP], stats: list, width: int, total: int,
-                 scores: list[torch.Tensor] | None = None) -> list[int]:
-        """Channels to remove per layer, summing to ``total`` (``stats``: dense ``ChannelStats``)."""
+    def removals(self, stats: list, width: int, total: int, scores: list[torch.Tensor] | None = None) -> list[int]:
+        """Channels to remove per layer, summing to ``total`` (``stats``: dense ``ChannelStats``;
+        ``scores``: every layer's ``allocation_scores``, for ``allocation="global"``)."""
         choice = getattr(self, "allocation", "uniform")
         if choice == "global":
-            scores = scores or [self.allocation_scores(m, s) for m, s in zip(mlps, stats)]
             return alloc.global_standardized(scores, total)
         if choice == "angular":
             return alloc.angular([s.angular for s in stats], width, total, a=getattr(self, "a", 1.0),
                                  scale=getattr(self, "scale", 1e4))
-        return [total // len(mlps)] * len(mlps)
+        return [total // len(stats)] * len(stats)
 
     def prepare(self, adapter) -> None:
         """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""

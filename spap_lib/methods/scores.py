@@ -23,6 +23,7 @@ class ScoreMethod(Method):
 
     propagates = False
     fits = False  # scores only (FLAP's bias compensation is a mean, not a fit)
+    scores_dense = True
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
         raise NotImplementedError

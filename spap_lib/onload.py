@@ -1,0 +1,315 @@
+"""Where the weights live while a model is pruned or evaluated: the device, host memory, or disk.
+
+The sequential pipeline only ever needs one decoder layer on the device, so the rest of the model
+can wait elsewhere (llm-compressor's sequential onloading). An ``Onloader`` hands the pipeline one
+layer at a time and takes it back:
+
+* ``none``: everything resident on the device (small models; the fastest).
+* ``cpu``:  the model in host memory; ``layer(i)`` moves decoder layer ``i`` to the device and back.
+  The hidden states between layers live in host memory too and go to the device one batch at a time.
+* ``disk``: the model skeleton on the meta device (accelerate's ``init_empty_weights``: no memory);
+  ``layer(i)`` reads layer ``i``'s tensors lazily from the source files (safetensors through
+  ``safe_open``; GGUF tensor by tensor through the ``gguf`` reader and dequantizer, so a GGUF is
+  never dequantized whole) and writes them into the skeleton with accelerate's
+  ``set_module_tensor_to_device``; on the way back the layer returns to meta. A pruned layer is
+  written to a spill folder of safetensors shards as soon as it is finished, and later onloads of
+  it read the spill; ``save`` assembles the checkpoint from those shards. Only the embeddings,
+  final norm and head are in host memory for the whole run.
+
+Why not accelerate's ``cpu_offload``/``disk_offload`` hooks: they move weights around every
+*forward*, while the pipeline holds a layer for many forwards and replaces its Linear modules
+(pruning changes the shapes); one explicit context per layer is simpler and cannot leak.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from .checks import ParameterError
+from .io import _HOST
+
+OFFLOADS = ("auto", "none", "cpu", "disk")
+SPILL_PREFIX = ".spap-spill-"
+
+
+def check_offload(offload: str) -> str:
+    if offload not in OFFLOADS:
+        raise ParameterError(f"unknown offload {offload!r}: use one of {', '.join(OFFLOADS)} (none: all on the device; "
+                             "cpu: weights in host memory, one layer on the device; disk: weights read layer by layer "
+                             "from the model files; auto: the fastest that the plan says fits)")
+    return offload
+
+
+# -- weight stores: name -> tensor, read on demand ------------------------------------------------
+class SafetensorsStore:
+    """Tensors of a folder of ``*.safetensors`` files (sharded or not), opened lazily with ``safe_open``."""
+
+    def __init__(self, folder: str | os.PathLike, files: list[Path] | None = None):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        files = sorted(self.folder.glob("*.safetensors")) if files is None else files
+        if not files:
+            raise ParameterError(_unstreamable(self.folder))
+        self._open = {str(f): safe_open(str(f), framework="pt", device="cpu") for f in files}
+        self.where = {name: f for f, handle in self._open.items() for name in handle.keys()}
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def describe(self) -> str:
+        return str(self.folder)
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        key = name if name in self.where else _strip_model_prefix(name)  # e.g. OPT files without "model."
+        return self._open[self.where[key]].get_tensor(key).to(dtype)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where or _strip_model_prefix(name) in self.where
+
+
+def _strip_model_prefix(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def _unstreamable(folder: Path) -> str:
+    pickles = sorted(p.name for p in folder.glob("*.bin"))[:3]
+    what = f"pickle weights ({', '.join(pickles)})" if pickles else "no *.safetensors files"
+    return (f"{folder} holds {what}: offload='disk' reads safetensors (or a .gguf) tensor by tensor and cannot stream "
+            "it. Use offload='cpu' or 'none' (the whole model is read into memory first), or convert the checkpoint "
+            "once: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path) writes safetensors.")
+
+
+class GGUFStore:
+    """Tensors of a GGUF file, dequantized one at a time (the reader memory-maps the file).
+
+    Names and per-architecture fixes (Llama's q/k permutation, Gemma's norm offset) come from
+    transformers' own GGUF tables, so a tensor equals what ``from_pretrained(gguf_file=...)`` loads.
+    """
+
+    def __init__(self, path: str | os.PathLike, skeleton: nn.Module):
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+
+        self.path = Path(path)
+        self.reader = GGUFReader(str(self.path))
+        self._parsed = load_gguf_checkpoint(str(self.path))  # metadata only (no tensors)
+        arch = read_field(self.reader, "general.architecture")[0]
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self._parsed["config"])
+        self._gguf_to_hf = get_gguf_hf_weights_map(skeleton, self.processor)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        self.where = {hf: g for g, hf in self._gguf_to_hf.items() if g in self._tensors}
+
+    def names(self) -> set[str]:
+        return set(self.where)
+
+    def describe(self) -> str:
+        return str(self.path)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        import numpy as np
+        from gguf import dequantize
+
+        tensor = self._tensors[self.where[name]]
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._gguf_to_hf,
+                                         parsed_parameters=self._parsed).weights
+        return torch.from_numpy(np.copy(weights)).to(dtype)
+
+
+def _remove_dead_spills(root: Path) -> None:
+    """Spill folders of processes on this host that no longer run (killed mid-prune) are removed."""
+    from .io import _alive  # noqa: PLC0415
+
+    for entry in root.glob(f"{SPILL_PREFIX}{_HOST}-*-*"):
+        pid = entry.name[len(SPILL_PREFIX) + len(_HOST) + 1:].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+# -- onloaders ---------------------------------------------------------------------------------
+def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    return next(name for name, module in model.named_modules() if module is layers)
+
+
+class Onloader:
+    """Resident: every weight already on the device (``offload="none"``)."""
+
+    mode: ClassVar[str] = "none"
+    streams: ClassVar[bool] = False  # whether hidden states wait in host memory between layers
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, device: torch.device):
+        self.model, self.layers, self.device = model, layers, torch.device(device)
+        self.prefix = _layers_prefix(model, layers)
+
+    @property
+    def host(self) -> torch.device:
+        """Where activations wait between layers."""
+        return torch.device("cpu") if self.streams else self.device
+
+    @contextmanager
+    def layer(self, i: int):
+        """Decoder layer ``i`` on the device for the duration of the block."""
+        yield self.layers[i]
+
+    def finished(self, i: int) -> None:
+        """Layer ``i`` holds its final (pruned) weights: later onloads must see them."""
+
+    @contextmanager
+    def base(self):
+        """Everything but the decoder layers (embeddings, rotary tables, final norm, head) on the device."""
+        yield
+
+    def _base_names(self):
+        inside = self.prefix + "."
+        params = [n for n, _ in self.model.named_parameters() if not n.startswith(inside)]
+        buffers = [n for n, _ in self.model.named_buffers() if not n.startswith(inside)]
+        return params + buffers
+
+    def close(self) -> None:
+        pass
+
+
+class HostOffload(Onloader):
+    """``offload="cpu"``: the model waits in host memory; one layer at a time on the device."""
+
+    mode = "cpu"
+    streams = True
+
+    @contextmanager
+    def layer(self, i: int):
+        layer = self.layers[i]
+        layer.to(self.device)
+        try:
+            yield layer
+        finally:
+            layer.to("cpu")  # also the Linear modules a pruning step put in
+
+    @contextmanager
+    def base(self):
+        from accelerate.utils import set_module_tensor_to_device
+
+        names = self._base_names()
+        for name in names:
+            set_module_tensor_to_device(self.model, name, self.device)
+        try:
+            yield
+        finally:
+            for name in names:
+                set_module_tensor_to_device(self.model, name, "cpu")
+
+
+class DiskOffload(Onloader):
+    """``offload="disk"``: decoder layers read from ``store`` when onloaded, written to a spill folder
+    when finished; the skeleton's layers stay on the meta device otherwise."""
+
+    mode = "disk"
+    streams = True
+
+    def __init__(self, model, layers, device, store, dtype: torch.dtype, spill_dir: str | os.PathLike | None = None):
+        super().__init__(model, layers, device)
+        self.store, self.dtype = store, dtype
+        root = Path(spill_dir) if spill_dir else Path(tempfile.gettempdir())
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_dead_spills(root)
+        self.spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{_HOST}-{os.getpid()}-", dir=root))
+        self._spilled: dict[int, SafetensorsStore] = {}
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.spill, True)
+
+    def _store(self, i: int):
+        return self._spilled.get(i, self.store)
+
+    def layer_names(self, i: int) -> list[str]:
+        return [f"{self.prefix}.{i}.{n}" for n, _ in self.layers[i].named_parameters()]
+
+    @contextmanager
+    def layer(self, i: int):
+        from accelerate.utils import set_module_tensor_to_device
+
+        store = self._store(i)
+        for name in self.layer_names(i):
+            set_module_tensor_to_device(self.model, name, self.device, value=store.get(name, self.dtype))
+        try:
+            yield self.layers[i]
+        finally:
+            self.layers[i].to("meta")  # frees the weights; shapes (pruned ones too) stay
+
+    def finished(self, i: int) -> None:
+        from safetensors.torch import save_file
+
+        layer = self.layers[i]
+        tensors = {f"{self.prefix}.{i}.{n}": p.detach().to("cpu").contiguous() for n, p in layer.named_parameters()}
+        path = self.spill / f"layer-{i:05d}.safetensors"
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        self._spilled[i] = SafetensorsStore(self.spill, [path])
+
+    def spilled(self, i: int) -> Path | None:
+        return self.spill / f"layer-{i:05d}.safetensors" if i in self._spilled else None
+
+    def close(self) -> None:
+        self._cleanup()
+
+
+def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -> None:
+    """Read every tensor outside the decoder layers from ``store`` into host memory (tied weights once)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    head = model.get_output_embeddings()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, param in model.named_parameters():
+        if name.startswith(onloader.prefix + "."):
+            continue
+        if tied and head is not None and param is head.weight and name not in store:
+            continue  # a tied head is not in the files: tie_weights() below points it at the embedding
+        if name not in store:
+            raise ParameterError(f"{name} is missing from the model files ({store.describe()}): "
+                                 "the checkpoint does not match its config")
+        set_module_tensor_to_device(model, name, "cpu", value=store.get(name, dtype))
+    model.tie_weights()
+
+
+def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path) -> None:
+    """A sharded safetensors checkpoint from a disk-offloaded model: one shard per decoder layer (the
+    spill files, hard-linked or copied) and one for the rest, with the index stock loading reads."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    weight_map, total = {}, 0
+    # named_parameters() lists a tied head once (under the embedding's name), as save_pretrained writes it.
+    base = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()
+            if not name.startswith(onloader.prefix + ".")}
+    shard = "model-base.safetensors"
+    save_file(base, str(folder / shard), metadata={"format": "pt"})
+    for name, t in base.items():
+        weight_map[name], total = shard, total + t.numel() * t.element_size()
+    for i in range(len(onloader.layers)):
+        src = onloader.spilled(i)
+        if src is None:
+            raise RuntimeError(f"layer {i} was never finished: no pruned weights to save")
+        dst = folder / f"model-layer-{i:05d}.safetensors"
+        try:
+            os.link(src, dst)  # same file system: no copy
+        except OSError:
+            shutil.copyfile(src, dst)
+        for name in onloader._spilled[i].names():
+            weight_map[name] = dst.name
+        total += src.stat().st_size
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
