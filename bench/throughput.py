@@ -50,8 +50,11 @@ def main(argv=None) -> None:
         rhs = torch.randn(n, d, device=dev, dtype=dtype)
         out[name] = rate(lambda: torch.cholesky_solve(rhs, torch.linalg.cholesky(A)), n**3 / 3 + 2 * n * n * d)
     table = json.loads(TABLE.read_text()) if TABLE.is_file() else {}
-    table[args.name] = {"flops_per_second": {k: round(v) for k, v in out.items()}, "source": "measured",
-                        "command": f"python bench/throughput.py --name {args.name} --device {args.device}",
+    memory = {"memory_gb": round(torch.cuda.get_device_properties(dev).total_memory / 2**30)} \
+        if dev.type == "cuda" else {k: v for k, v in table.get(args.name, {}).items() if k == "memory_gb"}
+    table[args.name] = {"flops_per_second": {k: round(v) for k, v in out.items()}, **memory, "source": "measured",
+                        "command": f"python bench/throughput.py --name {args.name} --device {args.device} "
+                                   f"--n {n} --d {d}",
                         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                                    f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}",
                         "revision": git_revision()}

@@ -5,6 +5,7 @@ predictions can be checked against what a run really used.
 """
 from __future__ import annotations
 
+import ctypes
 import resource
 import sys
 from contextlib import contextmanager
@@ -46,6 +47,15 @@ def rss_mb() -> float:
     except OSError:
         pass
     return peak_rss_mb()
+
+
+def release_freed() -> None:
+    """Give memory freed by Python back to the OS (glibc keeps freed heap pages otherwise, so a process
+    streaming layer after layer would grow to its largest-ever footprint and stay there)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 @contextmanager

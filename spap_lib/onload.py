@@ -36,6 +36,7 @@ from torch import nn
 
 from .checks import ParameterError
 from .io import _HOST
+from .memory import release_freed
 
 OFFLOADS = ("auto", "none", "cpu", "disk")
 SPILL_PREFIX = ".spap-spill-"
@@ -51,7 +52,11 @@ def check_offload(offload: str) -> str:
 
 # -- weight stores: name -> tensor, read on demand ------------------------------------------------
 class SafetensorsStore:
-    """Tensors of a folder of ``*.safetensors`` files (sharded or not), opened lazily with ``safe_open``."""
+    """Tensors of a folder of ``*.safetensors`` files (sharded or not), read one at a time.
+
+    Each read opens the file with ``safe_open`` and closes it again: a handle kept open would keep
+    every page read so far mapped into this process (a whole model's worth after one pass).
+    """
 
     def __init__(self, folder: str | os.PathLike, files: list[Path] | None = None):
         from safetensors import safe_open
@@ -60,8 +65,10 @@ class SafetensorsStore:
         files = sorted(self.folder.glob("*.safetensors")) if files is None else files
         if not files:
             raise ParameterError(_unstreamable(self.folder))
-        self._open = {str(f): safe_open(str(f), framework="pt", device="cpu") for f in files}
-        self.where = {name: f for f, handle in self._open.items() for name in handle.keys()}
+        self.where = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                self.where.update(dict.fromkeys(handle.keys(), str(f)))
 
     def names(self) -> set[str]:
         return set(self.where)
@@ -70,8 +77,11 @@ class SafetensorsStore:
         return str(self.folder)
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        from safetensors import safe_open
+
         key = name if name in self.where else _strip_model_prefix(name)  # e.g. OPT files without "model."
-        return self._open[self.where[key]].get_tensor(key).to(dtype)
+        with safe_open(self.where[key], framework="pt", device="cpu") as handle:
+            return handle.get_tensor(key).to(dtype)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where or _strip_model_prefix(name) in self.where
@@ -124,7 +134,12 @@ class GGUFStore:
         from gguf import dequantize
 
         tensor = self._tensors[self.where[name]]
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        # Read the bytes with a plain read rather than through the reader's memory map, whose pages
+        # would otherwise stay mapped into this process (the whole file, after one pass).
+        with open(self.path, "rb") as f:
+            raw = os.pread(f.fileno(), int(tensor.n_bytes), int(tensor.data_offset))
+        data = np.frombuffer(raw, dtype=tensor.data.dtype).reshape(tensor.data.shape)
+        weights = dequantize(data, tensor.tensor_type)
         weights = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._gguf_to_hf,
                                          parsed_parameters=self._parsed).weights
         return torch.from_numpy(np.copy(weights)).to(dtype)
@@ -197,6 +212,7 @@ class HostOffload(Onloader):
             yield layer
         finally:
             layer.to("cpu")  # also the Linear modules a pruning step put in
+            release_freed()
 
     @contextmanager
     def base(self):
@@ -246,6 +262,7 @@ class DiskOffload(Onloader):
             yield self.layers[i]
         finally:
             self.layers[i].to("meta")  # frees the weights; shapes (pruned ones too) stay
+            release_freed()
 
     def finished(self, i: int) -> None:
         from safetensors.torch import save_file

@@ -101,6 +101,10 @@ class Plan:
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
         return "\n".join(rows)
 
+    def _replace_offload(self, offload: str) -> "Plan":
+        self.offload = offload
+        return self
+
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
 
@@ -182,6 +186,9 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
     return next((p for p in plans if p.fits), plans[-1])
 
 
+# Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB
+# with a GGUF's parsed vocabulary (measured on this project's CPU machine).
+RUNTIME_BYTES = 0.5 * 2**30
 HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective); assumed, not measured
 DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
 
@@ -216,16 +223,21 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
     hidden = 2 * N * d * b  # layer inputs and outputs between layers
     eval_hidden = eval_windows_n * eval_seqlen * d * b
-    if not gpu and offload != "disk":  # a CPU is its own host: everything is in one memory
-        peak_host = peak_device = max(peak_device, c["total"] * b + max(calib_peak - memory["weights"], eval_peak))
+    if not gpu and offload == "cpu":  # a CPU is its own host: "cpu" offload is "none" there
+        return _plan_one(model, "none", algo=algo, c=c, sparsity=sparsity, N=N, seqlen=seqlen, eval_seqlen=eval_seqlen,
+                         eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size, chunk=chunk,
+                         device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb,
+                         disk_free_gb=disk_free_gb)._replace_offload("cpu")
+    if not gpu and offload == "none":
+        peak_host = peak_device = peak_device + RUNTIME_BYTES
     elif offload == "none":
-        peak_host = c["total"] * b + N * 8
+        peak_host = c["total"] * b + N * 8 + RUNTIME_BYTES
     elif offload == "cpu":
-        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8
+        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + RUNTIME_BYTES
     else:  # disk: the head, one layer, the activations; on a CPU the device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8
+        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8 + RUNTIME_BYTES
         if not gpu:
-            peak_host = peak_device = peak_host + calib_peak - memory["weights"]
+            peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
     # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint.
     disk_need = (c["decoder"] * n_keep / n + (c["total"] - c["decoder"])) * b if offload == "disk" else 0.0
 

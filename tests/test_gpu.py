@@ -44,3 +44,27 @@ def test_spap_global_allocation_and_float32_on_cuda(windows):
                           progress=False)
         kept[precision] = report["kept_channels"]
     assert kept["float32"] == kept["float64"]
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path):
+    """Weights in host memory (or read from disk), one layer at a time on the GPU: the same prune and
+    the same perplexity as with everything resident on the GPU."""
+    from conftest import tiny_model
+
+    from spap_lib.evaluate import perplexity_of_ids
+
+    tiny_model(arch).save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    windows = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    calib = Calibration(windows, [0] * 4, "validation", "test", 1000, 0)
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2))
+    runs = {}
+    for offload in ("none", mode):
+        loaded = sl.load(str(tmp_path / "m"), device="cuda", dtype="float32", offload=offload, spill_dir=tmp_path)
+        report = sl.prune(loaded, calib, "spap", 0.2, hparams=FAST, progress=False)
+        ppl = perplexity_of_ids(loaded.model, ids, 24, onloader=loaded.onloader, progress=False)["ppl"]
+        runs[offload] = (report["kept_channels"], ppl)
+        sl.save(loaded, report, tmp_path / f"out-{offload}")
+    assert runs[mode][0] == runs["none"][0]
+    assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-4)

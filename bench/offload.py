@@ -1,0 +1,166 @@
+"""02_prune's flow under offload none / cpu / disk, one process per mode (issue: scale).
+
+Each mode runs in a fresh process (so its peak resident set is its own): plan, load, dense
+perplexity, prune, pruned perplexity, save with the reload check. Recorded per mode: the plan's
+predicted peaks, the measured ones (host VmHWM of the whole process; CUDA max allocated), load /
+prune / evaluation / save seconds, a hash of the kept channels (equal across modes = same prune),
+and both perplexities. Rows are appended to ``--out`` as they finish (resumable: done rows are kept).
+
+    python bench/offload.py --model smollm2-135m --modes none,cpu,disk --nsamples 32 --seqlen 512
+
+``--random`` builds the model from a shipped config with random weights (``--layers`` of them) and
+calibrates on random tokens: memory and time of a paper-size layer where its weights cannot be had
+(no hub); perplexity is then meaningless and not reported.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+import spap_lib as sl
+from spap_lib.data import Calibration
+from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.memory import peak_rss_mb
+from spap_lib.plan import available_host_gb, local_device, plan
+
+GB = 2**30
+
+
+def _random_loaded(alias: str, layers: int, offload: str, device: torch.device):
+    """A model of ``alias``'s shapes with random weights (bf16 on a GPU, float32 on a CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.onload import HostOffload, Onloader
+    from spap_lib.plan import shipped_config
+
+    config = shipped_config(alias)
+    config.num_hidden_layers = layers
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device if offload == "none" else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    adapter = sl.get_adapter(model)
+    onloader = (Onloader if offload == "none" else HostOffload)(model, adapter.layers(), device)
+    return Loaded(model, None, adapter, ModelSource(f"{alias} (random, {layers} layers)", "dir", "-"), device, onloader)
+
+
+def one(args) -> dict:
+    """One mode, in this process."""
+    device = sl.models.pick_device(args.device)
+    hparams = json.loads(args.hparams)
+    row_name, memory_gb = local_device(device)
+    t0 = time.perf_counter()
+    if args.random:
+        from spap_lib.plan import shipped_config
+
+        config = shipped_config(args.model)
+        config.num_hidden_layers = args.layers
+        p = plan(args.model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
+                 eval_seqlen=args.seqlen, eval_windows=1, device=row_name, offload=args.offload, config=config,
+                 dtype="bfloat16" if device.type == "cuda" else "float32")
+        loaded = _random_loaded(args.model, args.layers, args.offload, device)
+        windows = torch.randint(0, config.vocab_size, (args.nsamples, args.seqlen),
+                                generator=torch.Generator().manual_seed(0))
+        calib = Calibration(windows, [0] * args.nsamples, "random tokens", "random", windows.numel(), 0)
+    else:
+        p = plan(args.model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
+                 eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows, device=row_name, offload=args.offload)
+        spill = tempfile.mkdtemp(prefix="spap-bench-")
+        loaded = sl.load(args.model, device=args.device, offload=args.offload, spill_dir=spill)
+        calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
+    t_load = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = {"model": args.model + (f" (random weights, {args.layers} layers)" if args.random else ""),
+              "offload": args.offload, "method": args.method, "hparams": json.dumps(hparams),
+              "calibration": f"{args.nsamples} x {args.seqlen}", "device": _device_name(device),
+              "load s": round(t_load, 1)}
+    if not args.random:
+        t = time.perf_counter()
+        dense = sl.perplexity(loaded.model, loaded.tokenizer, args.eval_seqlen, args.eval_windows, progress=False,
+                              onloader=loaded.onloader)
+        result["dense ppl"], result["dense eval s"] = round(dense["ppl"], 4), round(time.perf_counter() - t, 1)
+    report = sl.prune(loaded, calib, args.method, args.sparsity, hparams=hparams, progress=False)
+    result["prune s"] = round(report["seconds"], 1)
+    result["kept hash"] = hashlib.sha256(json.dumps(report["kept_channels"]).encode()).hexdigest()[:12]
+    if not args.random:
+        t = time.perf_counter()
+        pruned = sl.perplexity(loaded.model, loaded.tokenizer, args.eval_seqlen, args.eval_windows, progress=False,
+                               onloader=loaded.onloader)
+        result["pruned ppl"], result["pruned eval s"] = round(pruned["ppl"], 4), round(time.perf_counter() - t, 1)
+        t = time.perf_counter()
+        out = Path(tempfile.mkdtemp(prefix="spap-bench-out-")) / "pruned"
+        sl.save(loaded, report, out)
+        checks = sl.io.read_checkpoint_manifest(out)["checks"]
+        result["save s"], result["reload max |diff|"] = round(time.perf_counter() - t, 1), checks["reload_max_abs_diff"]
+    result["peak host GB (measured, whole run)"] = round(peak_rss_mb() / 1024, 3)
+    result["peak host GB (plan)"] = round(p.peak_host_gb, 3)
+    if device.type == "cuda":
+        result["peak device GB (measured, from prune on)"] = round(torch.cuda.max_memory_allocated(device) / GB, 3)
+    result["peak device GB (plan)"] = round(p.peak_device_gb, 3)
+    result["plan prune s (compute only)"] = round(sum(v for k, v in p.seconds.items() if "perplexity" not in k), 1)
+    return result
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} threads)"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--modes", default="none,cpu,disk")
+    ap.add_argument("--offload", help=argparse.SUPPRESS)  # set for the child process of one mode
+    ap.add_argument("--method", default="spap")
+    ap.add_argument("--sparsity", type=float, default=0.2)
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--eval-seqlen", type=int, default=512)
+    ap.add_argument("--eval-windows", type=int, default=40)
+    ap.add_argument("--hparams", default="{}")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--random", action="store_true", help="random weights from the shipped config (no download)")
+    ap.add_argument("--layers", type=int, default=2, help="with --random: decoder layers to build")
+    ap.add_argument("--out", default="bench/results/offload.csv")
+    args = ap.parse_args(argv)
+    if args.offload:  # child: one mode, result as JSON on the last line
+        print(json.dumps(one(args)), flush=True)
+        return
+    command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
+    out = Path(args.out)
+    table = pd.read_csv(out) if out.is_file() else pd.DataFrame()
+    for mode in args.modes.split(","):
+        child = [sys.executable, __file__, *(sys.argv[1:] if argv is None else argv), "--offload", mode]
+        proc = subprocess.run(child, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"offload={mode} failed")
+        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row["host RAM available GB"] = round(available_host_gb() or 0, 1)
+        table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
+        write_csv_atomic(out, table)
+        print(row, flush=True)
+    write_text_atomic(out.with_suffix(".md"), (
+        "# 02_prune's flow under each offload (measured)\n\n"
+        f"Command: `{command}`  \nRevision: `{git_revision()}`  \n"
+        "One process per mode. Host peak: VmHWM of the whole process (load, evaluation, prune, save); device "
+        "peak: torch.cuda.max_memory_allocated from the prune on. Plan: `spap_lib.plan` for the same run "
+        "(predicted from the config alone). 'kept hash': sha256 of the kept channels (equal = same prune).\n\n"
+        + table.to_markdown(index=False) + "\n"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
