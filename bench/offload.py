@@ -44,12 +44,15 @@ def _random_loaded(alias: str, layers: int, offload: str, device: torch.device):
     from spap_lib.onload import HostOffload, Onloader
     from spap_lib.plan import shipped_config
 
-    config = shipped_config(alias)
+    from spap_lib.models import read_config, resolve
+
+    config = shipped_config(alias) or read_config(resolve(alias))
     config.num_hidden_layers = layers
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
-    with torch.device(device if offload == "none" else "cpu"):
+    with torch.device(device):  # initialised on the device in every mode (same weights), fast on a GPU
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.to(device if offload == "none" else "cpu")
     adapter = sl.get_adapter(model)
     onloader = (Onloader if offload == "none" else HostOffload)(model, adapter.layers(), device)
     return Loaded(model, None, adapter, ModelSource(f"{alias} (random, {layers} layers)", "dir", "-"), device, onloader)
@@ -62,9 +65,10 @@ def one(args) -> dict:
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
     if args.random:
+        from spap_lib.models import read_config, resolve
         from spap_lib.plan import shipped_config
 
-        config = shipped_config(args.model)
+        config = shipped_config(args.model) or read_config(resolve(args.model))
         config.num_hidden_layers = args.layers
         p = plan(args.model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
                  eval_seqlen=args.seqlen, eval_windows=1, device=row_name, offload=args.offload, config=config,

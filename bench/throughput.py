@@ -44,6 +44,11 @@ def main(argv=None) -> None:
     for name, dtype in (("matmul_fp32", torch.float32), ("matmul_bf16", torch.bfloat16)):
         a, b = torch.randn(N, d, device=dev, dtype=dtype), torch.randn(d, n, device=dev, dtype=dtype)
         out[name] = rate(lambda: a @ b, 2 * N * d * n)
+    if dev.type == "cuda":  # float32 products on TF32 tensor cores (precision="tf32")
+        a, b = torch.randn(N, d, device=dev), torch.randn(d, n, device=dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out["matmul_tf32"] = rate(lambda: a @ b, 2 * N * d * n)
+        torch.backends.cuda.matmul.allow_tf32 = False
     for name, dtype in (("cholesky_fp64", torch.float64), ("cholesky_fp32", torch.float32)):
         z = torch.randn(n, 4 * n, device=dev, dtype=dtype)
         A = z @ z.T + n * torch.eye(n, device=dev, dtype=dtype)

@@ -136,13 +136,15 @@ def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int
     ``watch`` as ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm, on the device).
     With ``device``, ``hidden`` may wait in host memory: each batch is moved there and back.
     """
-    outs = []
     if watch is None:
+        out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start:start + batch_size]
-            out = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
-            outs.append(out.to(hidden.device))
-        return torch.cat(outs), None
+            o = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+            if out is None:
+                out = torch.empty((hidden.shape[0], *o.shape[1:]), dtype=o.dtype, device=hidden.device)
+            out[start:start + o.shape[0]] = o
+        return out, None
     with capture_inputs(watch) as seen:
         out, _ = replay(layer, hidden, kwargs, batch_size, device=device)
     return out, torch.cat(seen)

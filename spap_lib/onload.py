@@ -228,9 +228,10 @@ class HostOffload(Onloader):
                 set_module_tensor_to_device(self.model, name, "cpu")
 
 
-class DiskOffload(Onloader):
+class DiskOffload(HostOffload):
     """``offload="disk"``: decoder layers read from ``store`` when onloaded, written to a spill folder
-    when finished; the skeleton's layers stay on the meta device otherwise."""
+    when finished; the skeleton's layers stay on the meta device otherwise. Embeddings, final norm
+    and head wait in host memory and are onloaded as with ``cpu`` (``base``)."""
 
     mode = "disk"
     streams = True

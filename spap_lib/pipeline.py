@@ -15,7 +15,7 @@ from tqdm import tqdm
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec
-from .linalg import PRECISIONS, NumericalError, check_finite, nonfinite_parameters
+from .linalg import PRECISIONS, NumericalError, check_finite, matmul_precision, nonfinite_parameters, resolve_precision
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .onload import Onloader
@@ -197,6 +197,7 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader,
 def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carry: list[torch.Tensor], kwargs: dict,
                       removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool):
     hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
+    precision = resolve_precision(method.precision, onloader.device)
     per_layer, kept = [], []
     for i in tqdm(range(len(adapter.layers())), desc=f"{method.name} layers", disable=not progress):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
@@ -211,11 +212,12 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             check_finite(X, f"layer {i}: the MLP inputs")
             problem = LayerProblem(
                 dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
-                layer_index=i, dtype=PRECISIONS[method.precision],
+                layer_index=i, dtype=PRECISIONS[precision],
             )
             # A layer whose output no channel affects (all-zero activations or output projection) has
             # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
-            result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
+            with matmul_precision(precision):
+                result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
             del problem, X
             adapter.set_mlp(layer, result.mlp)
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.

@@ -187,8 +187,11 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
 
 
 # Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB
-# with a GGUF's parsed vocabulary (measured on this project's CPU machine).
+# with a GGUF's parsed vocabulary (measured on this project's CPU machine); with CUDA initialised the
+# process holds about 2 GB of host memory before any weight (measured on an H100 machine: 2.3 GB peak
+# for SmolLM2-135M in every offload mode).
 RUNTIME_BYTES = 0.5 * 2**30
+CUDA_RUNTIME_BYTES = 2.0 * 2**30
 HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective); assumed, not measured
 DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
 
@@ -199,7 +202,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     rates = THROUGHPUT[device]["flops_per_second"]
     gpu = not device.startswith("cpu")
     b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    p = 8 if algo.precision == "float64" else 4
+    precision = ("tf32" if gpu else "float64") if algo.precision == "auto" else algo.precision  # as resolve_precision
+    p = 8 if precision == "float64" else 4
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
     fits_ls = algo.fits
@@ -228,14 +232,15 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
                          eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size, chunk=chunk,
                          device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb,
                          disk_free_gb=disk_free_gb)._replace_offload("cpu")
+    runtime = CUDA_RUNTIME_BYTES if gpu else RUNTIME_BYTES
     if not gpu and offload == "none":
-        peak_host = peak_device = peak_device + RUNTIME_BYTES
+        peak_host = peak_device = peak_device + runtime
     elif offload == "none":
-        peak_host = c["total"] * b + N * 8 + RUNTIME_BYTES
+        peak_host = c["total"] * b + N * 8 + runtime
     elif offload == "cpu":
-        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + RUNTIME_BYTES
+        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime
     else:  # disk: the head, one layer, the activations; on a CPU the device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8 + RUNTIME_BYTES
+        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8 + runtime
         if not gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
     # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint.
@@ -243,6 +248,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
 
     mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
     mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
+    if precision == "tf32":  # the Gram and alternating-round products on TF32 tensor cores (CUDA)
+        mm32 = rates.get("matmul_tf32", mm32)
     layer_params = c["decoder"] / L
     forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
     passes = 2 if algo.propagates else 1

@@ -38,6 +38,19 @@ def test_calibrate_then_prune_chain(tmp_path):
     ppl = result["perplexity"]["pruned"]["ppl"]
     assert math.isfinite(ppl) and ppl < 3 * dense["perplexity"]["ppl"]
     assert (tmp_path / "pruned" / "config.json").is_file() and (tmp_path / "pruned" / "spap_manifest.json").is_file()
+    assert result["offload"] == "none"  # auto: everything fits this machine
+
+    # The same prune with the weights read layer by layer from the GGUF, evaluation streamed too:
+    # the same channels (the same perplexity) and a stock-loadable sharded checkpoint.
+    pm.execute_notebook(NOTEBOOKS / "02_prune.ipynb", tmp_path / "02d.ipynb",
+                        parameters=smoke("02_prune.ipynb", run_dir=str(run), out_dir=str(tmp_path / "pruned-disk"),
+                                         offload="disk"),
+                        progress_bar=False, cwd=str(NOTEBOOKS))
+    streamed = json.loads((run / "prune_result.json").read_text())
+    assert streamed["offload"] == "disk"
+    assert math.isclose(streamed["perplexity"]["pruned"]["ppl"], ppl, rel_tol=1e-6)
+    assert (tmp_path / "pruned-disk" / "model.safetensors.index.json").is_file()
+    assert not list(run.glob(".spap-spill-*"))  # the spill folder is gone with the run
 
     # 04: dense vs the checkpoint 02 wrote, perplexity + six zero-shot tasks (4 examples each)
     import pandas as pd
@@ -74,6 +87,7 @@ def test_calibrate_then_prune_chain(tmp_path):
     ({"eval_windows": -1}, "eval_windows must be an integer >= 1 or None"),
     ({"hparams": {"K": -1}}, "K must be an integer >= 1"),
     ({"seqlen": 100_000}, "longer than smollm2-135m's context of 8192"),
+    ({"offload": "gpu"}, "unknown offload 'gpu': use one of auto, none, cpu, disk"),
 ])
 def test_bad_parameter_fails_before_work(tmp_path, bad, message):
     """A typo, a wrong type or a value out of range stops 02 before it loads a weight, writing nothing."""

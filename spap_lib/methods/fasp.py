@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import hp
-from ..linalg import PRECISIONS, lstsq_columns, mean_diag
+from ..linalg import PRECISION_CHOICES, lstsq_columns, mean_diag
 from .base import LayerProblem, Method, PruneResult, register
 from .spap import get_out, set_out
 
@@ -22,7 +22,7 @@ from .spap import get_out, set_out
 @dataclass
 class FASP(Method):
     name = "fasp"
-    precision: str = hp("float64", choices=tuple(PRECISIONS))  # Gram sums and solves, as SPAP's
+    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums and solves, as SPAP's
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)), the same damping as SPAP's solves
 
     def prune(self, problem: LayerProblem) -> PruneResult:

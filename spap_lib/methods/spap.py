@@ -25,7 +25,7 @@ import torch
 
 from ..adapters import MLP
 from ..checks import ParameterError, hp
-from ..linalg import PRECISIONS, lstsq_columns, mean_diag, ridge, sq_norm
+from ..linalg import PRECISION_CHOICES, lstsq_columns, mean_diag, ridge, sq_norm
 from .base import LayerProblem, Method, PruneResult, gram, register
 
 
@@ -194,7 +194,7 @@ class SPAP(Method):
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     lr: float = hp(1e-3, gt=0)  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
-    precision: str = hp("float64", choices=tuple(PRECISIONS))  # Gram sums and solves (float32: Jacobi-scaled)
+    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float64 on CPU, tf32 on CUDA)
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
     allocation: str = "uniform"
