@@ -62,8 +62,10 @@ class Grid:
                  chunk: int = 8192, seed: int = 0, progress: bool = True):
         self.model_name, self.loaded, self.calib = model_name, loaded, calib
         self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
-        self.pristine = loaded.copy()  # every cell prunes a fresh copy of this one
-        self.dense = self.pristine.model
+        # Every cell prunes a fresh copy of a pristine model kept in host memory: the device holds the
+        # dense model (its perplexity, the layer-0 inputs) and one variant at a time, not three copies.
+        self.pristine = loaded.copy(device="cpu")
+        self.dense = loaded.model
         layers = loaded.adapter.layers()
         self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
         self._stats = None
@@ -83,7 +85,7 @@ class Grid:
         return self._eval_ids
 
     def fresh(self) -> Loaded:
-        return self.pristine.copy()
+        return self.pristine.copy(device=self.loaded.device)
 
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)

@@ -257,12 +257,28 @@ class Loaded:
     def offload(self) -> str:
         return self.onloader.mode
 
-    def copy(self) -> Loaded:
-        """A deep copy of the model (tokenizer and source shared): prune many variants from one load."""
+    def copy(self, device: torch.device | str | None = None) -> Loaded:
+        """A deep copy of the model (tokenizer and source shared) on ``device`` (default: this one's):
+        prune many variants from one load."""
         if self.offload != "none":
             raise ParameterError(f"copy() needs a resident model (offload='none'), this one is offload={self.offload!r}")
-        model = copy.deepcopy(self.model)
-        return Loaded(model, self.tokenizer, get_adapter(model), self.source, self.device)
+        device = torch.device(device) if device is not None else self.device
+        if device == self.device:
+            model = copy.deepcopy(self.model)
+        else:
+            model = _copy_to(self.model, device)
+        return Loaded(model, self.tokenizer, get_adapter(model), self.source, device)
+
+
+def _copy_to(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` whose tensors are copied straight to ``device`` (tied weights stay tied):
+    no transient second copy on the source device."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        moved = t.detach().to(device, copy=True)
+        memo[id(t)] = torch.nn.Parameter(moved, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else moved
+    return copy.deepcopy(model, memo)
 
 
 def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:

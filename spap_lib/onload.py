@@ -274,8 +274,10 @@ class DiskOffload(HostOffload):
         save_file(tensors, str(path), metadata={"format": "pt"})
         self._spilled[i] = SafetensorsStore(self.spill, [path])
 
-    def spilled(self, i: int) -> Path | None:
-        return self.spill / f"layer-{i:05d}.safetensors" if i in self._spilled else None
+    def spilled(self, i: int) -> tuple[Path, set[str]] | None:
+        """Layer ``i``'s spill file and the tensor names in it, once it is finished."""
+        return (self._spilled[i].folder / f"layer-{i:05d}.safetensors", self._spilled[i].names()) \
+            if i in self._spilled else None
 
     def close(self) -> None:
         self._cleanup()
@@ -314,16 +316,16 @@ def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Pa
     for name, t in base.items():
         weight_map[name], total = shard, total + t.numel() * t.element_size()
     for i in range(len(onloader.layers)):
-        src = onloader.spilled(i)
-        if src is None:
+        spilled = onloader.spilled(i)
+        if spilled is None:
             raise RuntimeError(f"layer {i} was never finished: no pruned weights to save")
+        src, names = spilled
         dst = folder / f"model-layer-{i:05d}.safetensors"
         try:
             os.link(src, dst)  # same file system: no copy
         except OSError:
             shutil.copyfile(src, dst)
-        for name in onloader._spilled[i].names():
-            weight_map[name] = dst.name
+        weight_map.update(dict.fromkeys(names, dst.name))
         total += src.stat().st_size
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))

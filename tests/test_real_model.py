@@ -41,3 +41,20 @@ def test_smollm2_prune_within_factor_of_dense(smollm2, tmp_path):
     x = calib.windows[:2]
     with torch.no_grad():
         torch.testing.assert_close(stock(x).logits, smollm2.model(x).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_gguf_streams_tensor_by_tensor_to_the_same_weights(tmp_path):
+    """offload="disk" on the GGUF: every tensor read one at a time equals what from_pretrained
+    dequantizes all at once, and nothing of the decoder layers is in memory after loading."""
+    from spap_lib.onload import GGUFStore
+
+    dense = sl.load("smollm2-135m", device="cpu", offload="none")
+    streamed = sl.load("smollm2-135m", device="cpu", offload="disk", spill_dir=tmp_path)
+    store = streamed.onloader.store
+    assert isinstance(store, GGUFStore)
+    assert all(p.is_meta for p in streamed.adapter.layers().parameters())
+    names = {n for n, _ in dense.model.named_parameters()}
+    assert names <= store.names() | {"lm_head.weight"}  # SmolLM2 ties its head to the embedding
+    for name, param in dense.model.named_parameters():
+        assert torch.equal(store.get(name, torch.float32), param.detach()), name
