@@ -8,9 +8,9 @@ and both perplexities. Rows are appended to ``--out`` as they finish (resumable:
 
     python bench/offload.py --model smollm2-135m --modes none,cpu,disk --nsamples 32 --seqlen 512
 
-``--random`` builds the model from a shipped config with random weights (``--layers`` of them) and
-calibrates on random tokens: memory and time of a paper-size layer where its weights cannot be had
-(no hub); perplexity is then meaningless and not reported.
+``--random`` saves a checkpoint of a shipped config's shapes with random weights (``--layers`` decoder
+layers; bench/.cache, once) and calibrates on random tokens: memory and time of paper-size layers
+where the real weights cannot be had (no hub); perplexity is then meaningless and not reported.
 """
 from __future__ import annotations
 
@@ -36,26 +36,32 @@ from spap_lib.plan import available_host_gb, local_device, plan
 GB = 2**30
 
 
-def _random_loaded(alias: str, layers: int, offload: str, device: torch.device):
-    """A model of ``alias``'s shapes with random weights (bf16 on a GPU, float32 on a CPU)."""
-    from transformers import AutoModelForCausalLM
+def random_checkpoint(alias: str, layers: int, dtype: str) -> Path:
+    """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0), saved
+    once as safetensors under bench/.cache (with a placeholder tokenizer: calibration uses random
+    tokens), so every offload mode loads the same weights from the same files."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from spap_lib.models import Loaded, ModelSource
-    from spap_lib.onload import HostOffload, Onloader
+    from spap_lib.io import REPO, atomic_dir
+    from spap_lib.models import read_config, resolve
     from spap_lib.plan import shipped_config
 
-    from spap_lib.models import read_config, resolve
-
+    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{dtype}"
+    if (path / "config.json").is_file():
+        return path
     config = shipped_config(alias) or read_config(resolve(alias))
     config.num_hidden_layers = layers
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
     torch.manual_seed(0)
-    with torch.device(device):  # initialised on the device in every mode (same weights), fast on a GPU
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    model.to(device if offload == "none" else "cpu")
-    adapter = sl.get_adapter(model)
-    onloader = (Onloader if offload == "none" else HostOffload)(model, adapter.layers(), device)
-    return Loaded(model, None, adapter, ModelSource(f"{alias} (random, {layers} layers)", "dir", "-"), device, onloader)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                unk_token="<unk>").save_pretrained(tmp)
+    return path
 
 
 def one(args) -> dict:
@@ -64,24 +70,18 @@ def one(args) -> dict:
     hparams = json.loads(args.hparams)
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
+    source = str(random_checkpoint(args.model, args.layers, _dtype(device))) if args.random else args.model
+    evaluated = dict(eval_seqlen=2, eval_windows=1) if args.random else \
+        dict(eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows)  # random weights: no perplexity
+    p = plan(source, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
+             device=row_name, offload=args.offload, **evaluated)
+    spill = tempfile.mkdtemp(prefix="spap-bench-")
+    loaded = sl.load(source, device=args.device, offload=args.offload, spill_dir=spill)
     if args.random:
-        from spap_lib.models import read_config, resolve
-        from spap_lib.plan import shipped_config
-
-        config = shipped_config(args.model) or read_config(resolve(args.model))
-        config.num_hidden_layers = args.layers
-        p = plan(args.model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
-                 eval_seqlen=args.seqlen, eval_windows=1, device=row_name, offload=args.offload, config=config,
-                 dtype="bfloat16" if device.type == "cuda" else "float32")
-        loaded = _random_loaded(args.model, args.layers, args.offload, device)
-        windows = torch.randint(0, config.vocab_size, (args.nsamples, args.seqlen),
+        windows = torch.randint(0, loaded.model.config.vocab_size, (args.nsamples, args.seqlen),
                                 generator=torch.Generator().manual_seed(0))
         calib = Calibration(windows, [0] * args.nsamples, "random tokens", "random", windows.numel(), 0)
     else:
-        p = plan(args.model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
-                 eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows, device=row_name, offload=args.offload)
-        spill = tempfile.mkdtemp(prefix="spap-bench-")
-        loaded = sl.load(args.model, device=args.device, offload=args.offload, spill_dir=spill)
         calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
     t_load = time.perf_counter() - t0
     if device.type == "cuda":
@@ -117,6 +117,10 @@ def one(args) -> dict:
     return result
 
 
+def _dtype(device: torch.device) -> str:
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -143,6 +147,8 @@ def main(argv=None) -> None:
     if args.offload:  # child: one mode, result as JSON on the last line
         print(json.dumps(one(args)), flush=True)
         return
+    if args.random:  # written once, before the children measure their own peaks
+        random_checkpoint(args.model, args.layers, _dtype(sl.models.pick_device(args.device)))
     command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()

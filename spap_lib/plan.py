@@ -22,7 +22,7 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   head on the device, while the windows' hidden states wait in host memory).
 
 Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``),
-or (``disk``) the embeddings/head, one layer and one dequantized GGUF tensor; plus the hidden states
+or (``disk``) the embeddings/head and one layer; plus the hidden states
 between layers (calibration or evaluation, whichever is larger). On a CPU row device and host are
 one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
@@ -240,7 +240,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     elif offload == "cpu":
         peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime
     else:  # disk: the head, one layer, the activations; on a CPU the device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + V * d * 4 + N * 8 + runtime
+        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + N * 8 + runtime
         if not gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
     # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint.

@@ -24,8 +24,9 @@ def test_every_paper_alias_plans_offline(alias, monkeypatch):
 
 
 def test_memory_terms_follow_their_formulas():
-    base = plan("llama-3.1-8b", device="rtx4090", nsamples=64, seqlen=2048, offload="none")
-    double = plan("llama-3.1-8b", device="rtx4090", nsamples=128, seqlen=2048, offload="none")
+    f64 = {"precision": "float64"}  # the GPU default is tf32 (4-byte Gram state, like float32)
+    base = plan("llama-3.1-8b", device="rtx4090", nsamples=64, seqlen=2048, offload="none", hparams=f64)
+    double = plan("llama-3.1-8b", device="rtx4090", nsamples=128, seqlen=2048, offload="none", hparams=f64)
     N, d, n = 64 * 2048, 4096, 14336
     assert base.memory_gb["calibration activations"] == pytest.approx(4 * N * d * 2 / GB, rel=1e-3)
     assert double.memory_gb["calibration activations"] == pytest.approx(2 * base.memory_gb["calibration activations"])
@@ -34,6 +35,10 @@ def test_memory_terms_follow_their_formulas():
     assert saved == pytest.approx(3 * (n + 1) ** 2 * 4 / GB, rel=1e-3)
     assert fp32.seconds["penalty / refit solves"] < base.seconds["penalty / refit solves"] / 10  # 4090 fp64
     score = plan("llama-3.1-8b", method="wanda_sp", device="rtx4090", nsamples=64, offload="none")
+    auto = plan("llama-3.1-8b", device="rtx4090", nsamples=64, offload="none")
+    assert auto.memory_gb["Gram + factor (3 n²)"] == pytest.approx(fp32.memory_gb["Gram + factor (3 n²)"])
+    assert plan("llama-3.1-8b", device="cpu-2core", nsamples=64, offload="none").memory_gb["Gram + factor (3 n²)"] \
+        == pytest.approx(base.memory_gb["Gram + factor (3 n²)"])  # auto is float64 on a CPU
     assert "Gram + factor (3 n²)" not in score.memory_gb and score.total_seconds < base.total_seconds / 10
 
 
