@@ -101,10 +101,6 @@ class Plan:
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
         return "\n".join(rows)
 
-    def _replace_offload(self, offload: str) -> "Plan":
-        self.offload = offload
-        return self
-
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
 
@@ -212,28 +208,24 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
 
     # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
-    memory = {"weights": c["total"] * b if offload == "none" else 2 * layer_bytes,  # a layer and its pruned copy
+    resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
+    memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
               # layer inputs and outputs (resident only; offloaded they wait in host memory), MLP inputs X and
               # (fitting methods) dense targets Y
-              "calibration activations": ((2 if offload == "none" else 0) + (2 if fits_ls else 1)) * N * d * b,
+              "calibration activations": ((2 if resident else 0) + (2 if fits_ls else 1)) * N * d * b,
               "one batch through a layer": batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
     if fits_ls:
         memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
         memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
     memory["evaluation logits"] = eval_seqlen * V * (b + 8)
     calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
-    eval_peak = (memory["weights"] if offload == "none" else base_bytes) + memory["evaluation logits"]
+    eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
     peak_device = max(calib_peak, eval_peak)
     # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
     hidden = 2 * N * d * b  # layer inputs and outputs between layers
     eval_hidden = eval_windows_n * eval_seqlen * d * b
-    if not gpu and offload == "cpu":  # a CPU is its own host: "cpu" offload is "none" there
-        return _plan_one(model, "none", algo=algo, c=c, sparsity=sparsity, N=N, seqlen=seqlen, eval_seqlen=eval_seqlen,
-                         eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size, chunk=chunk,
-                         device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb,
-                         disk_free_gb=disk_free_gb)._replace_offload("cpu")
     runtime = CUDA_RUNTIME_BYTES if gpu else RUNTIME_BYTES
-    if not gpu and offload == "none":
+    if not gpu and resident:
         peak_host = peak_device = peak_device + runtime
     elif offload == "none":
         peak_host = c["total"] * b + N * 8 + runtime
