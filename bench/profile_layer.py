@@ -27,7 +27,7 @@ from spap_lib.methods import spap as spap_mod
 
 # (module, function name, stage label): the functions that do the work, wrapped with a timer
 STAGES = [
-    (base, "gram", "Gram passes (Z Zᵀ, Y Zᵀ)"),
+    (linalg, "gram", "Gram passes (Z Zᵀ, Y Zᵀ)"),
     (linalg, "solve_spd", "Cholesky solves"),
     (spap_mod, "adam_steps_on", "Adam steps"),
     (spap_mod, "calibration_error", "error evaluations"),

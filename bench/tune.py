@@ -57,6 +57,9 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default="spap,spap_gd", help="with --which methods")
     ap.add_argument("--base", default="", help="overrides of the base point, e.g. t=0.5,K=20")
     ap.add_argument("--grid", default="", help="replace the update grid, e.g. 'lr=1e-3,3e-3;am_iters=5,20'")
+    ap.add_argument("--points", default="",
+                    help="joint settings, one per ';', e.g. 'method=fasp;am_iters=5,batch_tokens=1024' (each point "
+                         "is the base point with these overrides; 'method' names another registered method)")
     ap.add_argument("--out", default="bench/results/tune.csv")
     args = ap.parse_args(argv)
 
@@ -80,12 +83,22 @@ def main(argv=None) -> None:
         grids += [({**base, "am_iters": 0, k: v}, "penalty", k) for k, vs in PENALTY_GRID.items() for v in vs]
     if args.which in ("update", "both"):
         grids += [({**base, k: v}, "update", k) for k, vs in update_grid.items() for v in vs]
-    if args.which == "methods":
+    if args.points:
+        grids = []
+        for point in args.points.split(";"):
+            hp = dict(base)
+            for kv in point.split(","):
+                k, v = kv.split("=")
+                hp[k] = v if k in ("method", "precision") else type(base[k])(float(v))
+            hp["point"] = point
+            grids.append((hp, "points", "point"))
+    elif args.which == "methods":
         grids = [({**base, "method": m}, "methods", "method") for m in args.methods.split(",")]
     rows = []
     for hp, stage, varied in grids:
         name = hp.get("method", "spap")
-        method = sl.get_method(name, **{k: v for k, v in hp.items() if k != "method"})
+        known = sl.get_method(name).hparams()
+        method = sl.get_method(name, **{k: v for k, v in hp.items() if k in known})
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             t0 = time.perf_counter()
@@ -98,7 +111,9 @@ def main(argv=None) -> None:
             print(stage, varied, hp[varied], i, f"{err:.5f}", f"{secs:.1f}s", flush=True)
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
-    summary = frame.groupby(["stage", "varied", "value"])[["heldout_rel_error", "seconds"]].mean()
+    summary = frame.groupby(["stage", "varied", "value"], sort=False)[["heldout_rel_error", "seconds"]].mean()
+    if args.points and "method=fasp" in args.points.split(";"):  # time as a multiple of FASP's, same run
+        summary["seconds / fasp"] = summary["seconds"] / summary.loc[("points", "point", "method=fasp"), "seconds"]
     command = " ".join(["python", "bench/tune.py", *(sys.argv[1:] if argv is None else argv)])
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# SPAP hyperparameter sweep\n\nCommand: `{command}`  \ngit: {git_revision()}  \n"

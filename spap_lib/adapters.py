@@ -6,7 +6,7 @@ Adding an architecture means adding one small class and listing its ``model_type
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -28,7 +28,6 @@ class MLP:
     b_out: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
     glu: bool
-    meta: dict = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -123,13 +122,24 @@ class Adapter:
 
     def set_config_width(self, widths: int | list[int]) -> None:
         """Record the MLP width(s). Uniform widths keep the config stock; per-layer widths are stored
-        as ``spap_mlp_widths`` (with the largest as the nominal width) for ``spap_lib.load_pruned``."""
+        as ``spap_mlp_widths`` (with the largest as the nominal width) for ``spap_lib.load``."""
         widths = [int(widths)] if isinstance(widths, int) else [int(w) for w in widths]
         setattr(self.model.config, self.width_field, max(widths))
         if len(set(widths)) > 1:
             self.model.config.spap_mlp_widths = widths
         elif hasattr(self.model.config, "spap_mlp_widths"):
             del self.model.config.spap_mlp_widths
+
+    def keep_channels(self, kept: list[list[int]]) -> None:
+        """Re-apply a pruning's shapes as data (``spap_plan.json``'s ``kept_channels``): every layer keeps
+        the listed dense channels, weights as they are (nothing refitted: what profiling needs)."""
+        layers = self.layers()
+        if len(kept) != len(layers):
+            raise ValueError(f"kept_channels lists {len(kept)} layers, the model has {len(layers)}")
+        for layer, keep in zip(layers, kept):
+            mlp = self.get_mlp(layer)
+            self.set_mlp(layer, mlp.select(torch.tensor(keep, dtype=torch.long, device=mlp.W_out.device)))
+        self.set_config_width([len(k) for k in kept])
 
     def resize(self, layer: nn.Module, width: int) -> None:
         """Give a layer's MLP an (uninitialised) width, so a checkpoint of that shape can be loaded."""

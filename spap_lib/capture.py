@@ -12,6 +12,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .linalg import check_finite
+
 
 class _Stop(Exception):
     """Raised by the recorder to end a forward pass once it has what it needs."""
@@ -45,15 +47,22 @@ def _recording(layers: nn.ModuleList, all_layers: bool):
             layer.__dict__.pop("forward", None)
 
 
+def on_device(device):
+    """The default ``store``: activations allocated on ``device``."""
+    return lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.Tensor, batch_size: int, device,
-                       host=None):
+                       store=None):
     """Layer-0 inputs ``[n, seqlen, d]`` for token ``windows [n, seqlen]``, and per-layer kwargs.
 
     ``kwargs[b][i]`` are the keyword arguments of layer ``i`` for a batch of ``b`` windows (on the
-    device: rotary tables and masks, small). The inputs are kept on ``host`` (default: the device).
+    device: rotary tables and masks, small). The inputs are written batch by batch into
+    ``store(shape, dtype)`` (default: a tensor on the device; an onloader's ``activations`` keeps them
+    in host memory or a spill file).
     """
-    hidden, kwargs = [], {}
+    hidden, kwargs = None, {}
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start:start + batch_size].to(device)
         want_all = batch.shape[0] not in kwargs
@@ -62,10 +71,13 @@ def first_layer_inputs(model: nn.Module, layers: nn.ModuleList, windows: torch.T
                 model(input_ids=batch, use_cache=False)
             except _Stop:
                 pass
-        hidden.append(rec["hidden"] if host is None else rec["hidden"].to(host))
+        h = rec.pop("hidden")
+        if hidden is None:
+            hidden = (store or on_device(device))((windows.shape[0], *h.shape[1:]), h.dtype)
+        hidden[start:start + h.shape[0]] = h
         if want_all:
             kwargs[batch.shape[0]] = rec["kwargs"]
-    return torch.cat(hidden), kwargs
+    return hidden, kwargs
 
 
 @contextmanager
@@ -96,10 +108,11 @@ def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume) 
     """
     layers, device = onloader.layers, onloader.device
     with onloader.base():
-        hidden, kwargs = first_layer_inputs(model, layers, windows, 1, device, host=onloader.host)
+        hidden, kwargs = first_layer_inputs(model, layers, windows, 1, device, store=onloader.activations)
     for i in range(len(layers)):
         with onloader.layer(i) as layer:
-            hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1, device=device)[0]
+            hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1, device=device,
+                            store=onloader.activations)[0]
     with onloader.base():
         for w in range(windows.shape[0]):
             with returning(layers, hidden[w:w + 1]):
@@ -129,22 +142,26 @@ def capture_inputs(module: nn.Module):
 
 @torch.no_grad()
 def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
-           device=None):
+           device=None, store=None, finite: str | None = None):
     """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
 
-    Returns the layer outputs (where ``hidden`` is) and, if ``watch`` is given, the inputs seen by
-    ``watch`` as ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm, on the device).
-    With ``device``, ``hidden`` may wait in host memory: each batch is moved there and back.
+    Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
+    ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm, on the device). With
+    ``device``, ``hidden`` may wait elsewhere (host memory, a spill file): each batch is moved there;
+    the outputs go batch by batch into ``store(shape, dtype)`` (default: where ``hidden`` is). With
+    ``finite`` (what the outputs are, for the message), every output batch is checked for NaN/Inf.
     """
     if watch is None:
         out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start:start + batch_size]
             o = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+            if finite is not None:
+                check_finite(o, finite)
             if out is None:
-                out = torch.empty((hidden.shape[0], *o.shape[1:]), dtype=o.dtype, device=hidden.device)
+                out = (store or on_device(hidden.device))((hidden.shape[0], *o.shape[1:]), o.dtype)
             out[start:start + o.shape[0]] = o
         return out, None
     with capture_inputs(watch) as seen:
-        out, _ = replay(layer, hidden, kwargs, batch_size, device=device)
+        out, _ = replay(layer, hidden, kwargs, batch_size, device=device, store=store, finite=finite)
     return out, torch.cat(seen)

@@ -7,13 +7,20 @@ import pandas as pd
 
 from . import io
 
-ORDER = ["magnitude", "wanda_sp", "flap", "cfsp", "fasp", "spap_no_update", "spap_gd", "spap"]
+def method_order() -> list[str]:
+    """Every registered method: baselines, then ablations, then the paper's method (each group in
+    registration order), from what the method classes declare."""
+    from .methods import METHODS
+
+    return sorted(METHODS, key=lambda n: 0 if not METHODS[n].ours else 1 if METHODS[n].ablation_of else 2)
 
 
 def _label_order(labels) -> list[str]:
+    order = method_order()
+
     def rank(label: str):
         method = label.split("/")[0]
-        return (ORDER.index(method) if method in ORDER else len(ORDER), label)
+        return (order.index(method) if method in order else len(order), label)
     return sorted(set(labels) - {"dense"}, key=rank)
 
 

@@ -135,12 +135,7 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
 
     def add(rows: list[dict]) -> None:
         nonlocal table
-        new = pd.DataFrame(rows)
-        if not table.empty:
-            same = table[KEY].astype(str).apply(tuple, axis=1).isin(new[KEY].astype(str).apply(tuple, axis=1))
-            table = table[~same]
-        table = pd.concat([table, new], ignore_index=True)
-        io.write_csv_atomic(path, table)
+        table = io.upsert_csv(path, pd.DataFrame(rows), KEY, table)
 
     def probe(label, hparams, sparsity, seqlen):
         calib = grid.calib.describe()

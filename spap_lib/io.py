@@ -184,6 +184,23 @@ def write_csv_atomic(path: str | os.PathLike, frame) -> None:
     write_text_atomic(path, frame.to_csv(index=False))
 
 
+def upsert_csv(path: str | os.PathLike, new, key: list[str], table=None):
+    """Write ``new``'s rows into the CSV at ``path`` (atomically): earlier rows with the same ``key``
+    values are replaced, all others (other models, other cells) kept. ``table``: the file's rows as the
+    caller already holds them (a loop adding rows), instead of reading it again. Returns the whole table."""
+    import pandas as pd
+
+    path = Path(path)
+    if table is None:
+        table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
+    if not table.empty and not new.empty:
+        same = table[key].astype(str).apply(tuple, axis=1).isin(new[key].astype(str).apply(tuple, axis=1))
+        table = table[~same]
+    table = pd.concat([table, new], ignore_index=True)
+    write_csv_atomic(path, table)
+    return table
+
+
 # -- where a checkpoint may be written ------------------------------------------------------------
 
 def read_checkpoint_manifest(path: str | os.PathLike) -> dict | None:

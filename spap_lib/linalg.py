@@ -1,7 +1,8 @@
 """Numerics shared by every method: Gram accumulation and damped symmetric solves.
 
-All least-squares problems here have the form ``min_W ||Y - W X||_F^2`` with ``X`` the ``[n, N]``
-inputs of a linear map. They only need ``H = X Xᵀ`` and ``Y Xᵀ``, so nothing of size N is kept.
+All least-squares problems here have the form ``min_W ||Y - W Z||_F^2`` with ``Z`` the ``[n, N]``
+inputs of the MLP's output projection (the paper's symbols: ``X`` are the MLP's inputs). They only
+need ``H = Z Zᵀ`` and ``Y Zᵀ``, accumulated over token chunks by ``gram``, so nothing of size N is kept.
 
 Precision follows ``H``: a method's ``precision`` ("float64" default, or "float32") sets the dtype the
 Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM activations span many
@@ -39,6 +40,22 @@ def check_finite(H: torch.Tensor, what: str) -> None:
             "activations overflowed or the weights upstream are not finite. Run in float32 (dtype='float32') "
             "or check the model weights."
         )
+
+
+def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64):
+    """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
+    ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias): float32
+    products of each chunk, summed in ``dtype``."""
+    bias = mlp.b_out is not None
+    n = mlp.width + bias
+    H = torch.zeros(n, n, dtype=dtype, device=X.device)
+    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=X.device)
+    for start in range(0, X.shape[0], chunk):
+        Z = augment(mlp.hidden(X[start:start + chunk].float()), bias)
+        H += (Z.T @ Z).to(dtype)
+        if Y is not None:
+            YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
+    return H if Y is None else (H, YZ)
 
 
 def sq_norm(Y: torch.Tensor, chunk: int = 8192) -> float:
@@ -110,14 +127,14 @@ def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix") -> to
 
 
 def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """``W = (Y Xᵀ)(X Xᵀ + diag(penalty))⁻¹`` given ``WH = Y Xᵀ`` ``[d, n]`` and ``H = X Xᵀ``, in ``H``'s dtype."""
+    """``W = (Y Zᵀ)(Z Zᵀ + diag(penalty))⁻¹`` given ``WH = Y Zᵀ`` ``[d, n]`` and ``H = Z Zᵀ``, in ``H``'s dtype."""
     A = H.clone()  # H is reused by the caller; the damping goes on the diagonal in place
     A.diagonal().add_(penalty.to(H.dtype))
     return solve_spd(A, WH.T).T.to(WH.dtype)
 
 
 def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:
-    """Least-squares refit using only input rows ``cols``: ``(Y X_Kᵀ)(X_K X_Kᵀ + δI)⁻¹``."""
+    """Least-squares refit using only input rows ``cols``: ``(Y Z_Kᵀ)(Z_K Z_Kᵀ + δI)⁻¹``."""
     HK = H[cols][:, cols]
     return ridge(WH[:, cols], HK, torch.full((len(cols),), delta, device=H.device))
 

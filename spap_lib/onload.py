@@ -13,8 +13,9 @@ layer at a time and takes it back:
   never dequantized whole) and writes them into the skeleton with accelerate's
   ``set_module_tensor_to_device``; on the way back the layer returns to meta. A pruned layer is
   written to a spill folder of safetensors shards as soon as it is finished, and later onloads of
-  it read the spill; ``save`` assembles the checkpoint from those shards. Only the embeddings,
-  final norm and head are in host memory for the whole run.
+  it read the spill; ``save`` assembles the checkpoint from those shards. The hidden states between
+  layers wait in spill files too (``SpilledActivations``), read and written a batch at a time. Only
+  the embeddings, final norm and head are in host memory for the whole run.
 
 Why not accelerate's ``cpu_offload``/``disk_offload`` hooks: they move weights around every
 *forward*, while the pipeline holds a layer for many forwards and replaces its Linear modules
@@ -164,16 +165,16 @@ class Onloader:
     """Resident: every weight already on the device (``offload="none"``)."""
 
     mode: ClassVar[str] = "none"
-    streams: ClassVar[bool] = False  # whether hidden states wait in host memory between layers
+    streams: ClassVar[bool] = False  # whether hidden states wait off the device between layers
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, device: torch.device):
         self.model, self.layers, self.device = model, layers, torch.device(device)
         self.prefix = _layers_prefix(model, layers)
 
-    @property
-    def host(self) -> torch.device:
-        """Where activations wait between layers."""
-        return torch.device("cpu") if self.streams else self.device
+    def activations(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """Room for hidden states ``[n, seqlen, d]`` between layers, written and read a batch at a time:
+        on the device here, in host memory when offloaded to ``cpu``, in a spill file for ``disk``."""
+        return torch.empty(shape, dtype=dtype, device=self.device if not self.streams else "cpu")
 
     @contextmanager
     def layer(self, i: int):
@@ -246,6 +247,9 @@ class DiskOffload(HostOffload):
         self._spilled: dict[int, SafetensorsStore] = {}
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.spill, True)
 
+    def activations(self, shape: tuple[int, ...], dtype: torch.dtype) -> SpilledActivations:
+        return SpilledActivations(self.spill, shape, dtype)
+
     def _store(self, i: int):
         return self._spilled.get(i, self.store)
 
@@ -281,6 +285,56 @@ class DiskOffload(HostOffload):
 
     def close(self) -> None:
         self._cleanup()
+
+
+class SpilledActivations:
+    """Hidden states ``[n, ...]`` in a file of the spill folder (``offload="disk"``): ``a[i:j]`` reads
+    rows i..j with ``pread``, ``a[i:j] = t`` writes them with ``pwrite``, so host memory holds one batch,
+    not the ``n·seqlen·d`` values that sit between two layers (1.6 GB for a 1.5B model at 128 × 2048).
+
+    The file is unlinked as soon as it is created: it disappears with its last handle, when this
+    object is collected or the process dies, whatever happens.
+    """
+
+    def __init__(self, folder: str | os.PathLike, shape: tuple[int, ...], dtype: torch.dtype):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device("cpu")
+        self._row = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dtype).element_size()
+        fd, path = tempfile.mkstemp(prefix="hidden-", dir=folder)
+        os.unlink(path)
+        self._fd = fd
+        self._close = weakref.finalize(self, os.close, fd)
+        os.ftruncate(fd, self.shape[0] * self._row)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _rows(self, key) -> tuple[int, int]:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError(f"spilled activations are read and written by contiguous row ranges, not {key!r}")
+        start, stop, _ = key.indices(self.shape[0])
+        return start, max(start, stop)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        start, stop = self._rows(key)
+        buf = bytearray((stop - start) * self._row)
+        view, offset = memoryview(buf), start * self._row
+        while view:  # pread may return fewer bytes than asked (large reads)
+            got = os.preadv(self._fd, [view], offset)
+            if got == 0:
+                raise OSError(f"spilled activations: unexpected end of file at byte {offset}")
+            view, offset = view[got:], offset + got
+        out = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+        return out.view(self.dtype).reshape(stop - start, *self.shape[1:])
+
+    def __setitem__(self, key, value: torch.Tensor) -> None:
+        start, stop = self._rows(key)
+        if tuple(value.shape) != (stop - start, *self.shape[1:]):
+            raise ValueError(f"rows {start}:{stop} of {tuple(self.shape)} cannot take a tensor of shape {tuple(value.shape)}")
+        data = memoryview(value.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
+        offset = start * self._row
+        while data:
+            written = os.pwrite(self._fd, data, offset)
+            data, offset = data[written:], offset + written
 
 
 def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -> None:

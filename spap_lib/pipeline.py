@@ -95,7 +95,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
         with onloader.layer(i) as layer:
             out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
-                            watch=adapter.mlp_input_module(layer), device=onloader.device)
+                            watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations)
             check_finite(X, f"layer {i}: the MLP inputs")
             s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
         s.angular = block_angular(hidden, out)
@@ -107,7 +107,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
 def needs_dense_stats(method: Method, propagate: bool) -> bool:
     """Dense statistics are used by methods that score dense channels without propagating, and by any
     non-uniform allocation (decided before the first layer is pruned)."""
-    return (method.scores_dense and not propagate) or getattr(method, "allocation", "uniform") != "uniform"
+    return (method.scores_dense and not propagate) or method.allocation != "uniform"
 
 
 def _resident(adapter: Adapter) -> Onloader:
@@ -150,8 +150,8 @@ def prune_model(
     layers = adapter.layers()
     if inputs is None:
         with onloader.base():
-            inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, host=onloader.host)
-    uniform = getattr(method, "allocation", "uniform") == "uniform"
+            inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
+    uniform = method.allocation == "uniform"
     if stats is None and needs_dense_stats(method, propagate):
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress)
     removals = [plan.n_remove] * len(layers) if uniform else \
@@ -172,7 +172,7 @@ def prune_model(
 
 def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):
     """Every layer's dense channel scores, for a global allocation (FLAP); None for other allocations."""
-    if getattr(method, "allocation", "uniform") != "global":
+    if method.allocation != "global":
         return None
     scores = []
     for i, s in enumerate(stats):
@@ -208,7 +208,7 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
                     raise NumericalError(f"layer {i}'s weights are not finite ({'; '.join(bad[:5])}): the model files "
                                          "are damaged; spap cannot prune them")
             out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
-                            device=onloader.device)
+                            device=onloader.device, store=onloader.activations)
             check_finite(X, f"layer {i}: the MLP inputs")
             problem = LayerProblem(
                 dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
@@ -223,8 +223,8 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
             if propagate:
                 del out  # the dense outputs are not needed: keep at most two activation copies alive
-                out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device)[0]
-                check_finite(out, f"layer {i}: the outputs of the pruned layer")
+                out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device,
+                             store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer")[0]
             onloader.finished(i)
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})

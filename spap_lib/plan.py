@@ -12,19 +12,20 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
 * weights: every parameter with ``offload="none"``; otherwise one decoder layer and its pruned copy
   (``cpu``: the rest waits in host memory; ``disk``: in the model files);
 * calibration activations while a layer is pruned: layer inputs and dense outputs (on the device only
-  with ``offload="none"``; otherwise in host memory, ``2·N·d·b``), MLP inputs ``X`` and (fitting
-  methods) dense targets ``Y``: ``2·N·d·b``; plus one batch through the layer;
+  with ``offload="none"``; ``cpu``: in host memory, ``2·N·d·b``; ``disk``: in spill files), MLP inputs
+  ``X`` and (fitting methods) dense targets ``Y``: ``2·N·d·b``; plus one batch through the layer;
 * the layer's solver working set (fitting methods): the Gram matrix, its damped copy and Cholesky
   factor ``3·(n+1)²·p``, the float32 product of one chunk ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``,
   float32 copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk
   ``chunk·(n+2d)·4``;
-* evaluation: the logits of one window, ``eval_seqlen·V·(b + 8)`` (offloaded: with the embeddings and
-  head on the device, while the windows' hidden states wait in host memory).
+* evaluation: the logits of one window, ``eval_seqlen·V·b``, and the loss of 256 positions at a time
+  in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device).
 
-Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``),
-or (``disk``) the embeddings/head and one layer; plus the hidden states
-between layers (calibration or evaluation, whichever is larger). On a CPU row device and host are
-one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
+Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``)
+plus the hidden states between layers (calibration or evaluation, whichever is larger); or
+(``disk``) the embeddings/head, one layer and one batch of hidden states (the rest waits in spill
+files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host are one memory, so
+``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage divided by a throughput table
 (``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
@@ -42,6 +43,7 @@ import torch
 
 from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
+from .evaluate import LOSS_CHUNK
 from .onload import check_offload
 
 HERE = Path(__file__).resolve().parent
@@ -217,7 +219,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     if fits_ls:
         memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
         memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
-    memory["evaluation logits"] = eval_seqlen * V * (b + 8)
+    memory["evaluation logits"] = eval_seqlen * V * b + min(LOSS_CHUNK, eval_seqlen) * V * 8  # + chunked loss
     calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
     eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
     peak_device = max(calib_peak, eval_peak)
@@ -231,12 +233,15 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         peak_host = c["total"] * b + N * 8 + runtime
     elif offload == "cpu":
         peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime
-    else:  # disk: the head, one layer, the activations; on a CPU the device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(hidden, eval_hidden) + N * 8 + runtime
+    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files); on a CPU the
+        # device terms are host memory too
+        peak_host = base_bytes + layer_bytes + max(batch_size, 1) * seqlen * d * b * 2 + N * 8 + runtime
         if not gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
-    # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint.
-    disk_need = (c["decoder"] * n_keep / n + (c["total"] - c["decoder"])) * b if offload == "disk" else 0.0
+    # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint; the
+    # hidden states of two layers (inputs and outputs) in spill files.
+    disk_need = (c["decoder"] * n_keep / n + (c["total"] - c["decoder"])) * b + max(hidden, 2 * eval_hidden) \
+        if offload == "disk" else 0.0
 
     mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
     mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
@@ -272,7 +277,9 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         moved = 5 * c["decoder"] * b + L * (2 * passes * N + 4 * eval_tokens) * d * b
         seconds["host <-> device copies (assumed 20 GB/s)"] = moved / (HOST_LINK_GB_S * GB)
     if offload == "disk":
-        seconds["reading layers from disk (assumed 1.5 GB/s)"] = 5 * c["decoder"] * b / (DISK_GB_S * GB)
+        # Layers read 5 times; hidden states written once and read (1 + passes) times per layer and pass.
+        spilled = L * ((2 + passes) * N + 2 * 2 * eval_tokens) * d * b
+        seconds["disk reads and writes (assumed 1.5 GB/s)"] = (5 * c["decoder"] * b + spilled) / (DISK_GB_S * GB)
     fits = (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
            (host_memory_gb is None or peak_host / GB <= host_memory_gb) and \
            (disk_free_gb is None or disk_need / GB <= disk_free_gb)

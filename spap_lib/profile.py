@@ -5,17 +5,70 @@ those bytes bounds the speedup by ``1 / (1 − r)`` (the bytes bound). Timings: 
 allocated memory on a GPU; wall clock and the peak resident set of a fresh process on CPU (each
 model is profiled in its own spawned process, so one model's peak does not hide another's; the
 peak is reset after loading and warm-up, so it is what generation needs: weights, activations, KV).
+
+Speed depends on shapes only, so a pruned variant is data: the kept channels of every layer
+(``Variant``), re-applied to the dense weights inside the profiling process. No checkpoint is written
+per variant (for an 8B model, 15 of them would be 240 GB of disk and most of the notebook's time).
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from .adapters import get_adapter
-from .memory import peak_rss_mb, reset_peak_rss
+from .memory import peak_rss_mb, release_freed, reset_peak_rss
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A model to profile: the dense ``source`` (alias, hub id, checkpoint dir or .gguf) and, for a
+    pruned variant, the kept dense channels of every layer (``None``: the dense model)."""
+
+    source: str
+    kept_channels: list[list[int]] | None = None
+    sparsity: float = 0.0  # achieved share of the decoder's parameters removed
+    round_to: int | None = None
+
+
+def shape_variants(model: str, sparsities: list[float], round_tos: list[int | None], method: str = "magnitude", *,
+                   device: str = "auto", progress: bool = False) -> dict[str, Variant]:
+    """``{"dense": ..., "20%": ..., "20% r64": ...}``: the dense model and its pruned shapes, each pruned
+    by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in seconds, no
+    activations needed) from one load, on a copy per variant; only the kept channels are returned."""
+    from .api import prune
+    from .data import calibration_windows
+    from .models import load, pick_device
+    from .pipeline import plan_sparsity
+
+    loaded = load(model, device=device)
+    for s in sparsities:
+        for r in round_tos:
+            plan_sparsity(loaded.adapter, s, r)  # an invalid sparsity or multiple fails before any work
+    calib = calibration_windows(loaded.tokenizer, 2, 64, 0)  # a score method barely reads activations
+    variants = {"dense": Variant(model)}
+    for s in sparsities:
+        for r in round_tos:
+            pruned = loaded.copy()
+            report = prune(pruned, calib, method, s, round_to=r, progress=progress)
+            label = f"{s:.0%}" + (f" r{r}" if r else "")
+            variants[label] = Variant(model, report["kept_channels"], report["sparsity"]["achieved_decoder"], r)
+            del pruned
+    device = loaded.device
+    del loaded
+    _free(pick_device(str(device)))  # the profiling processes need this memory, not our caches
+    return variants
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    release_freed()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def weights_read_per_token(model) -> int:
@@ -62,13 +115,17 @@ def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, 
             "seconds_all": times, "peak_mem_mb": peak}
 
 
-def _child(queue, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int, threads: int | None):
+def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int,
+           threads: int | None):
     try:
         from .models import load
 
         if threads:
             torch.set_num_threads(threads)
-        loaded = load(**load_args)
+        loaded = load(variant.source, **load_args)
+        if variant.kept_channels is not None:
+            loaded.adapter.keep_channels(variant.kept_channels)
+            _free(loaded.device)  # the dense weights of the removed channels
         gen = torch.Generator().manual_seed(0)
         vocab = loaded.model.get_input_embeddings().weight.shape[0]
         prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(loaded.device)
@@ -79,22 +136,23 @@ def _child(queue, load_args: dict, prompt_len: int, new_tokens: int, repeats: in
         queue.put({"error": f"{type(err).__name__}: {err}"})
 
 
-def profile(model: str, *, device: str = "auto", dtype: str = "auto", prompt_len: int = 32, new_tokens: int = 1024,
-            repeats: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
-    """Profile one model (alias or checkpoint dir) in a fresh process; returns timings and memory."""
+def profile(model: str | Variant, *, device: str = "auto", dtype: str = "auto", prompt_len: int = 32,
+            new_tokens: int = 1024, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
+    """Profile one model (alias, checkpoint dir or ``Variant``) in a fresh process; returns timings and memory."""
+    variant = model if isinstance(model, Variant) else Variant(model)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, {"name": model, "device": device, "dtype": dtype}, prompt_len,
+    proc = ctx.Process(target=_child, args=(queue, variant, {"device": device, "dtype": dtype}, prompt_len,
                                             new_tokens, repeats, warmup, threads))
     proc.start()
     result = queue.get()
     proc.join()
     if "error" in result:
-        raise RuntimeError(f"profiling {model} failed: {result['error']}")
+        raise RuntimeError(f"profiling {variant.source} failed: {result['error']}")
     return result
 
 
-def profile_rounds(sources: dict[str, str], *, rounds: int = 1, **kwargs) -> dict[str, dict]:
+def profile_rounds(sources: dict[str, str | Variant], *, rounds: int = 1, **kwargs) -> dict[str, dict]:
     """Profile every model ``rounds`` times, alternating the order each round (A B C, C B A, ...), and pool
     the timed runs per model. Slow drift of the machine (other tenants, thermal state) then lands on every
     model alike instead of on whichever ran last; a fresh process per model and round keeps peaks apart.
@@ -115,3 +173,25 @@ def profile_rounds(sources: dict[str, str], *, rounds: int = 1, **kwargs) -> dic
         res.update(seconds_median=statistics.median(times), seconds_min=min(times), seconds_max=max(times),
                    runs=len(times))
     return {label: pooled[label] for label in sources}
+
+
+def summary_table(model: str, variant_method: str, variants: dict[str, Variant], results: dict[str, dict],
+                  new_tokens: int):
+    """One row per model (dense first): timings, peak memory, speedup over dense, the bytes bound and
+    ``of_bound`` = (speedup − 1) / (bytes bound − 1), the share of the theoretical gain realised."""
+    import pandas as pd
+
+    rows = []
+    for label, v in variants.items():
+        res = results[label]
+        rows.append({"model": model, "method": "dense" if v.kept_channels is None else variant_method,
+                     "variant": label, "sparsity": v.sparsity, "round_to": v.round_to or 0, "device": res["device"],
+                     "threads": res["threads"], "new_tokens": new_tokens, "seconds_median": res["seconds_median"],
+                     "seconds_min": res["seconds_min"], "seconds_max": res["seconds_max"], "runs": res["runs"],
+                     "peak_mem_mb": res["peak_mem_mb"], "weights_read": res["weights_read"]})
+    table = pd.DataFrame(rows)
+    dense = table.iloc[0]
+    table["speedup"] = dense["seconds_median"] / table["seconds_median"]
+    table["bytes_bound"] = dense["weights_read"] / table["weights_read"]
+    table["of_bound"] = (table["speedup"] - 1) / (table["bytes_bound"] - 1).where(table["bytes_bound"] > 1)
+    return table

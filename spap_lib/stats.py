@@ -51,10 +51,12 @@ class ChannelStats:
         return cls(X.shape[0], z_sum, z_sq)
 
 
-def block_angular(h_in: torch.Tensor, h_out: torch.Tensor) -> float:
+def block_angular(h_in: torch.Tensor, h_out: torch.Tensor, batch: int = 8) -> float:
     """Sum over tokens of the angle between a block's input and output hidden states, in units of π
     (the block-influence metric CFSP allocates sparsity with; ShortGPT's angular distance)."""
-    a = h_in.reshape(-1, h_in.shape[-1]).double()
-    b = h_out.reshape(-1, h_out.shape[-1]).double()
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)
-    return float(torch.arccos(cos).sum() / math.pi)
+    total = 0.0
+    for start in range(0, h_in.shape[0], batch):  # a batch at a time: no float64 copy of all hidden states
+        a = h_in[start:start + batch].reshape(-1, h_in.shape[-1]).double()
+        b = h_out[start:start + batch].reshape(-1, h_out.shape[-1]).to(a.device).double()
+        total += float(torch.arccos(torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).sum())
+    return total / math.pi

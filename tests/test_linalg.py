@@ -5,7 +5,7 @@ import torch
 from spap_lib.linalg import NumericalError, lstsq_columns, ridge
 from spap_lib.methods.spap import alternating_update, penalty_method
 from spap_lib.adapters import MLP
-from spap_lib.methods import gram
+from spap_lib.linalg import gram
 
 
 def _data(n=12, d=5, N=200, seed=0):

@@ -78,6 +78,11 @@ def test_calibrate_then_prune_chain(tmp_path):
     assert (prof["runs"] == 2).all() and (prof["seconds_min"] <= prof["seconds_max"]).all()
     assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:] > 1.1).all()
     assert prof["weights_read"].iloc[2] % 1 == 0 and prof["round_to"].iloc[2] == 64
+    # The variants are data (kept channels per layer), not checkpoints written to disk.
+    variants = json.loads((run / "profile_variants.json").read_text())
+    assert variants["dense"]["kept_channels"] is None and len(variants["20% r64"]["kept_channels"]) == 30
+    assert all(len(k) % 64 == 0 for k in variants["20% r64"]["kept_channels"])
+    assert not list(run.rglob("*.safetensors"))  # (02's checkpoints went to tmp_path, outside run)
 
 
 @pytest.mark.parametrize("bad, message", [

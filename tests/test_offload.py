@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from contextlib import contextmanager
 
 import pytest
@@ -15,7 +16,7 @@ from spap_lib.checks import ParameterError
 from spap_lib.data import Calibration
 from spap_lib.evaluate import perplexity_of_ids
 from spap_lib.models import load
-from spap_lib.onload import SPILL_PREFIX, DiskOffload, HostOffload
+from spap_lib.onload import SPILL_PREFIX, DiskOffload, HostOffload, SpilledActivations
 
 MODES = ("none", "cpu", "disk")
 TINY_SPAP = {"K": 3, "am_iters": 1, "adam_steps": 2}
@@ -100,7 +101,17 @@ def test_offload_modes_give_the_same_prune_and_checkpoint(checkpoint, tmp_path, 
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
-def test_one_decoder_layer_at_a_time(checkpoint, tmp_path, mode):
+def test_one_decoder_layer_at_a_time(checkpoint, tmp_path, mode, monkeypatch):
+    # disk: the hidden states between layers are spill files, at most two alive (a layer's inputs and outputs)
+    alive, most = [], [0]
+    real_init = SpilledActivations.__init__
+
+    def counting_init(self, *a, **k):
+        real_init(self, *a, **k)
+        alive.append(weakref.ref(self))
+        most[0] = max(most[0], sum(r() is not None for r in alive))
+
+    monkeypatch.setattr(SpilledActivations, "__init__", counting_init)
     loaded = load(str(checkpoint), device="cpu", offload=mode, spill_dir=tmp_path)
     assert isinstance(loaded.onloader, {"cpu": HostOffload, "disk": DiskOffload}[mode])
     if mode == "disk":  # nothing of the decoder layers is in memory before they are used
@@ -111,9 +122,25 @@ def test_one_decoder_layer_at_a_time(checkpoint, tmp_path, mode):
     if mode == "disk":
         assert all(p.is_meta for p in loaded.adapter.layers().parameters())
         spill = loaded.onloader.spill
+        # the activation files are unlinked when created: only the pruned layers are visible
         assert sorted(f.name for f in spill.iterdir()) == [f"layer-{i:05d}.safetensors" for i in range(len(seen))]
+        assert len(alive) == 1 + 2 * len(seen) and most[0] == 2  # layer-0 inputs; per layer: dense and pruned outputs
         loaded.onloader.close()
         assert not spill.exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spilled_activations_read_back_what_was_written(tmp_path, dtype):
+    x = torch.randn(5, 3, 4).to(dtype)
+    spilled = SpilledActivations(tmp_path, x.shape, dtype)
+    assert list(tmp_path.iterdir()) == []  # unlinked at once: nothing to clean up after a crash
+    spilled[0:2], spilled[2:5] = x[0:2], x[2:5]
+    assert torch.equal(spilled[0:5], x) and torch.equal(spilled[1:4], x[1:4]) and torch.equal(spilled[3:99], x[3:])
+    assert spilled[4:4].shape == (0, 3, 4) and len(spilled) == 5
+    with pytest.raises(ValueError, match=r"rows 0:2 of \(5, 3, 4\) cannot take a tensor of shape \(1, 3, 4\)"):
+        spilled[0:2] = x[:1]
+    with pytest.raises(TypeError, match="contiguous row ranges"):
+        spilled[::2]
 
 
 def test_a_killed_runs_spill_folder_is_removed(tmp_path, checkpoint):

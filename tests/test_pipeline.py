@@ -82,13 +82,6 @@ def test_prune_save_and_stock_reload(loaded, windows, tiny_tokenizer, tmp_path):
     assert len(kept) == len(loaded.adapter.layers()) and all(len(k) == width for k in kept)
 
 
-def test_pruning_reduces_error_versus_plain_selection(loaded, windows):
-    """The penalty refit + update beats keeping the same channels with their dense weights."""
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=FAST, progress=False)
-    for layer in report["layers"]:
-        assert layer["rel_error_final"] <= layer["rel_error_penalty"] + 1e-12
-
-
 def test_no_hooks_left_behind(loaded, windows):
     sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
     for m in loaded.model.modules():

@@ -26,3 +26,29 @@ def test_rounds_alternate_the_order_and_pool_every_run(monkeypatch):
 
 def test_bytes_bound():
     assert prof.bytes_bound(100, 80) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda_sp"])
+def test_kept_channels_reapplied_to_dense_weights_give_the_pruned_model(arch, windows, method):
+    """05 profiles a variant from its kept channels alone (no checkpoint): re-applied to the dense
+    weights, a score method's pruning (no refit) is the same model, shapes and logits."""
+    import copy
+
+    import torch
+
+    import spap_lib as sl
+    from conftest import tiny_model
+
+    dense = tiny_model(arch)
+    pruned = copy.deepcopy(dense)
+    adapter = sl.get_adapter(pruned)
+    plan = sl.plan_sparsity(adapter, 0.3)
+    run = sl.prune_model(pruned, adapter, windows, sl.get_method(method), plan, device="cpu", progress=False)
+    sl.get_adapter(dense).keep_channels(run["kept_channels"])
+    assert [sl.get_adapter(dense).width(layer) for layer in sl.get_adapter(dense).layers()] == \
+        [len(k) for k in run["kept_channels"]]
+    assert dense.config.to_dict() == pruned.config.to_dict()
+    with torch.no_grad():
+        torch.testing.assert_close(dense(windows).logits, pruned(windows).logits, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="kept_channels lists 1 layers, the model has 3"):
+        sl.get_adapter(dense).keep_channels(run["kept_channels"][:1])

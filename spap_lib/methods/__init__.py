@@ -1,5 +1,14 @@
-"""Pruning methods, all registered under one interface (``Method.prune(LayerProblem)``)."""
-from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, gram, register
-from . import fasp, scores, spap  # noqa: F401  (importing registers the methods)
+"""Pruning methods, all registered under one interface (``Method.prune(LayerProblem)``).
 
-__all__ = ["METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method", "gram", "register"]
+Every module of this package is imported here, and importing a module registers the methods it
+decorates with ``@register``: a new method is one new file, nothing else to edit.
+"""
+import importlib
+import pkgutil
+
+from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, register
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+__all__ = ["METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method", "register"]

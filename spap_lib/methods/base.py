@@ -16,7 +16,7 @@ import torch
 from .. import allocation as alloc
 from ..adapters import MLP
 from ..checks import ParameterError, check_fields
-from ..linalg import augment, check_finite
+from ..linalg import check_finite, gram
 
 
 @dataclass
@@ -68,21 +68,6 @@ class LayerProblem:
         return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 
-def gram(mlp: MLP, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64):
-    """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks: float32
-    products of each chunk, summed in ``dtype``."""
-    bias = mlp.b_out is not None
-    n = mlp.width + bias
-    H = torch.zeros(n, n, dtype=dtype, device=X.device)
-    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=X.device)
-    for start in range(0, X.shape[0], chunk):
-        Z = augment(mlp.hidden(X[start:start + chunk].float()), bias)
-        H += (Z.T @ Z).to(dtype)
-        if Y is not None:
-            YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
-    return H if Y is None else (H, YZ)
-
-
 class Unsupported(ValueError):
     """A method cannot prune this architecture (raised by ``Method.prepare``, before any work)."""
 
@@ -103,14 +88,24 @@ class Method:
     """
 
     name: str = ""
+    # The paper's own method (True) or a baseline; an ablation names the method it ablates. Figures and
+    # tables list baselines first, then the ablations, then the method (``figures.method_order``).
+    ours: ClassVar[bool] = False
+    ablation_of: ClassVar[str | None] = None
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
     # score dense weights do not need it, which lets a grid reuse dense statistics.
     propagates: bool = True
     # Whether weights are refitted by least squares on calibration activations (then too few
     # calibration tokens make the fit underdetermined, which ``api.prune`` warns about).
     fits: ClassVar[bool] = True
-    # How the channel budget may be spread over layers (a method's ``allocation`` field picks one).
+    # How the channel budget may be spread over layers: the ones a method offers, and its choice (a
+    # hyperparameter field in methods that offer more than one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
+    allocation: ClassVar[str] = "uniform"
+    # CFSP's angular allocation, keep_l ∝ sigmoid(a·(I_l − mean I)/scale) (CFSP's hyperparameters; these
+    # defaults serve other methods that offer allocation="angular").
+    a: ClassVar[float] = 1.0
+    scale: ClassVar[float] = 1e4
     # Whether channels are chosen by a score of the dense layer alone (no fit): without propagation,
     # one pass of dense statistics then serves every layer.
     scores_dense: ClassVar[bool] = False
@@ -122,7 +117,7 @@ class Method:
         self.validate()
 
     def validate(self) -> None:
-        choice = getattr(self, "allocation", "uniform")
+        choice = self.allocation
         if choice not in self.allocations:
             raise ParameterError(f"method {self.name!r} supports allocation {' or '.join(self.allocations)}, "
                                  f"not {choice!r}")
@@ -134,12 +129,11 @@ class Method:
     def removals(self, stats: list, width: int, total: int, scores: list[torch.Tensor] | None = None) -> list[int]:
         """Channels to remove per layer, summing to ``total`` (``stats``: dense ``ChannelStats``;
         ``scores``: every layer's ``allocation_scores``, for ``allocation="global"``)."""
-        choice = getattr(self, "allocation", "uniform")
+        choice = self.allocation
         if choice == "global":
             return alloc.global_standardized(scores, total)
         if choice == "angular":
-            return alloc.angular([s.angular for s in stats], width, total, a=getattr(self, "a", 1.0),
-                                 scale=getattr(self, "scale", 1e4))
+            return alloc.angular([s.angular for s in stats], width, total, a=self.a, scale=self.scale)
         return [total // len(stats)] * len(stats)
 
     def prepare(self, adapter) -> None:
