@@ -71,14 +71,18 @@ figures: setup
 
 # Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill, and nbval
 # on smoke copies of the notebooks (configs/smoke.yaml injected with papermill --prepare-only).
+# Each notebook executes once: nbval runs the smoke copies first (collected before tests/), in order
+# 01 -> 05 into build/smoke_run, and tests/test_notebooks.py checks what they recorded there.
 SMOKE_NB := build/smoke_notebooks
+SMOKE_RUN := $(CURDIR)/build/smoke_run
 test: setup
-	rm -rf $(SMOKE_NB) && mkdir -p $(SMOKE_NB)
+	rm -rf $(SMOKE_NB) $(SMOKE_RUN) && mkdir -p $(SMOKE_NB)
 	for nb in $(NOTEBOOKS); do \
 		$(NBPARAMS) configs/smoke.yaml notebooks/$$nb.ipynb > $(SMOKE_NB)/$$nb.yaml && \
-		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml || exit 1; \
+		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml \
+			-p run_dir $(SMOKE_RUN) || exit 1; \
 	done
-	$(PY) -m pytest -q --nbval-lax tests $(SMOKE_NB)
+	SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --nbval-lax $(SMOKE_NB) tests
 
 clean:
 	rm -rf runs

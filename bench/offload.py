@@ -160,6 +160,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"offload={mode} failed")
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         row["host RAM available GB"] = round(available_host_gb() or 0, 1)
+        row["revision"] = git_revision()
         table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
         write_csv_atomic(out, table)
         print(row, flush=True)

@@ -92,7 +92,8 @@ class Grid:
         pruned = self.fresh()
         stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
-                           batch_size=self.batch_size, progress=self.progress, inputs=self.inputs, stats=stats)
+                           batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
+                           stats=stats)
         return pruned, report
 
     def perplexity(self, model, seqlen: int, windows: int | None) -> dict:

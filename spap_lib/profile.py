@@ -192,6 +192,6 @@ def summary_table(model: str, variant_method: str, variants: dict[str, Variant],
     table = pd.DataFrame(rows)
     dense = table.iloc[0]
     table["speedup"] = dense["seconds_median"] / table["seconds_median"]
-    table["bytes_bound"] = dense["weights_read"] / table["weights_read"]
+    table["bytes_bound"] = [bytes_bound(dense["weights_read"], read) for read in table["weights_read"]]
     table["of_bound"] = (table["speedup"] - 1) / (table["bytes_bound"] - 1).where(table["bytes_bound"] > 1)
     return table

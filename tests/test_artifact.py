@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 CONTRACT = {"model", "method", "sparsity", "nsamples", "seqlen", "out_dir", "device", "seed"}
@@ -111,3 +112,25 @@ def test_every_config_value_has_the_type_its_notebooks_declare(config):
                     for name, node in _parameters(notebook.name).items()}
         params = for_notebook(REPO / "configs" / config, notebook)
         check_notebook_parameters({"__annotations__": {k: declared[k] for k in params}, **params}, notebook.stem)
+
+
+def test_saved_notebook_defaults_are_the_papers_settings():
+    """`papermill notebooks/02_prune.ipynb out.ipynb -p model ...` runs the paper's prune: the saved
+    parameters are the paper's; the smoke settings live only in configs/smoke.yaml."""
+    import papermill
+
+    nbs = Path(__file__).parents[1] / "notebooks"
+
+    def defaults(nb):
+        return {k: v["default"] for k, v in papermill.inspect_notebook(str(nbs / nb)).items()}
+
+    for nb in ("01_calibrate.ipynb", "02_prune.ipynb", "03_ablate.ipynb"):
+        d = defaults(nb)
+        assert (d["nsamples"], d["seqlen"]) == ("128", "2048"), nb
+    assert defaults("02_prune.ipynb")["hparams"] == "{}" and defaults("03_ablate.ipynb")["method_hparams"] == "{}"
+    for nb in ("01_calibrate.ipynb", "02_prune.ipynb"):
+        assert (defaults(nb)["eval_seqlen"], defaults(nb)["eval_windows"]) == ("2048", "None"), nb
+    assert defaults("04_evaluate.ipynb")["limit"] == "None"
+    assert defaults("05_profile.ipynb")["new_tokens"] == "1024"
+    smoke = yaml.safe_load((Path(__file__).parents[1] / "configs" / "smoke.yaml").read_text())
+    assert smoke["nsamples"] <= 8 and smoke["eval_windows"] <= 4 and smoke["limit"] <= 4 and smoke["new_tokens"] <= 8

@@ -52,6 +52,22 @@ def test_paper_headline_setting_on_one_24gb_card():
     assert offloaded.fits and offloaded.peak_device_gb <= 20
 
 
+def test_disk_offload_keeps_hidden_states_out_of_host_memory():
+    """With offload=disk the hidden states between layers wait in spill files: the GPU machine's host
+    peak does not grow with the calibration size (cpu offload's does, by 2·N·d·b), the disk need does.
+    Qwen2.5-1.5B at the paper's 128 x 2048: under half of its fp32 weights (the issue's target)."""
+    small = plan("qwen2.5-1.5b", device="h100", nsamples=32, seqlen=2048, offload="disk", eval_windows=1)
+    paper = plan("qwen2.5-1.5b", device="h100", nsamples=128, seqlen=2048, offload="disk", eval_windows=1)
+    assert paper.peak_host_gb == pytest.approx(small.peak_host_gb, abs=0.01)
+    hidden = 2 * (128 - 32) * 2048 * 1536 * 2 / GB
+    assert paper.disk_gb - small.disk_gb == pytest.approx(hidden, rel=1e-3)
+    cpu_small = plan("qwen2.5-1.5b", device="h100", nsamples=32, seqlen=2048, offload="cpu", eval_windows=1)
+    cpu_paper = plan("qwen2.5-1.5b", device="h100", nsamples=128, seqlen=2048, offload="cpu", eval_windows=1)
+    assert cpu_paper.peak_host_gb - cpu_small.peak_host_gb == pytest.approx(hidden, rel=0.01)
+    fp32_weights = 1.54e9 * 4 / GB
+    assert paper.peak_host_gb < fp32_weights / 2
+
+
 def test_plan_refuses_what_it_cannot_model():
     with pytest.raises(ParameterError, match="unknown device 'tpu'.*h100"):
         plan("llama-3.1-8b", device="tpu")
@@ -111,3 +127,17 @@ def test_predicted_working_memory_matches_a_measured_prune():
     predicted = p.prune_working_gb
     print(f"working memory: predicted {predicted * 1024:.0f} MB, measured {measured * 1024:.0f} MB")
     assert 0.7 < measured / predicted < 1.4
+
+
+def test_the_papers_settings_on_a_cpu_name_the_measured_cpu_setting():
+    """02's default (the paper's 128 x 2048, whole test split) on a CPU: the plan's hours are printed
+    before any work, with the config that gives the setting measured here."""
+    import spap_lib as sl
+
+    job = sl.check_run("smollm2-135m", method="spap", sparsity=0.2, nsamples=128, seqlen=2048, eval_seqlen=2048,
+                       eval_windows=None, device="cpu")
+    assert job.memory_time.total_seconds > 3600
+    assert "On this CPU the plan estimates" in job.summary() and "configs/offline.yaml" in job.summary()
+    small = sl.check_run("smollm2-135m", method="spap", sparsity=0.2, nsamples=8, seqlen=256, eval_seqlen=128,
+                         eval_windows=4, device="cpu")
+    assert "configs/offline.yaml" not in small.summary()

@@ -7,9 +7,10 @@ import spap_lib as sl
 from spap_lib.data import tokenize
 
 # Measured on exactly this protocol (16 x 256 calibration windows of the validation split, fast
-# hyperparameters below, 20% sparsity, first 16 test windows of 256 tokens): dense 39.52 -> 64.92
-# (1.64x). With 32 x 512 windows and the default hyperparameters the ratio is ~1.4 (README).
-MAX_PPL_RATIO = 2.0
+# hyperparameters below, 20% sparsity, first 16 test windows of 256 tokens), in two sessions on this
+# 2-core CPU: dense 39.52 -> 64.92. Pinned: the dense value to 0.1% (no randomness), the pruned one to
+# 2% (the Adam mini-batches are seeded; float32 sums in another order move it by far less than that).
+DENSE_PPL, PRUNED_PPL = 39.52, 64.92
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 5, "batch_tokens": 512}
 
 
@@ -22,7 +23,7 @@ def smollm2():
 
 
 @pytest.mark.slow
-def test_smollm2_prune_within_factor_of_dense(smollm2, tmp_path):
+def test_smollm2_prune_reproduces_its_measured_perplexity(smollm2, tmp_path):
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.test.raw").is_file():
         pytest.skip("WikiText-2 not in SPAP_DATA_DIR")
     ids = tokenize(smollm2.tokenizer, sl.wikitext("test").text)
@@ -33,7 +34,7 @@ def test_smollm2_prune_within_factor_of_dense(smollm2, tmp_path):
     print(f"SmolLM2-135M dense {dense:.2f} -> SPAP 20% {pruned:.2f}")
     assert report["sparsity"]["achieved_decoder"] == pytest.approx(0.2, abs=2e-3)
     assert report["sparsity"]["mlp_width"] == {"dense": 1536, "pruned": 1126}
-    assert dense < pruned < MAX_PPL_RATIO * dense
+    assert dense == pytest.approx(DENSE_PPL, rel=1e-3) and pruned == pytest.approx(PRUNED_PPL, rel=0.02)
 
     out = sl.save(smollm2, report, tmp_path / "smollm2-spap-20")
     stock = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -58,3 +59,30 @@ def test_gguf_streams_tensor_by_tensor_to_the_same_weights(tmp_path):
     assert names <= store.names() | {"lm_head.weight"}  # SmolLM2 ties its head to the embedding
     for name, param in dense.model.named_parameters():
         assert torch.equal(store.get(name, torch.float32), param.detach()), name
+
+
+@pytest.mark.slow
+def test_committed_headline_cells_reproduce():
+    """Regression check of the committed results: the dense and FASP 20% cells of SmolLM2 in
+    results/ablation.csv (the grid's protocol; FASP is the cheapest cell that calibrates, refits and
+    propagates, ~2 min here) re-run now give the recorded perplexities within 0.1% (float32 sums in
+    another order; the cells were recorded on this 2-core CPU)."""
+    import pandas as pd
+
+    from spap_lib.io import REPO
+
+    if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.test.raw").is_file():
+        pytest.skip("WikiText-2 not in SPAP_DATA_DIR")
+    table = pd.read_csv(REPO / "results" / "ablation.csv")
+    cells = table[(table["model"] == "smollm2-135m") & (table["eval_seqlen"] == 512)].set_index(["label", "sparsity"])
+    dense_row, fasp_row = cells.loc[("dense", 0.0)], cells.loc[("fasp", 0.2)]
+    loaded = sl.load("smollm2-135m", device="cpu")
+    ids = tokenize(loaded.tokenizer, sl.wikitext("test").text)
+    windows = int(dense_row["eval_windows"])
+    dense = sl.perplexity_of_ids(loaded.model, ids, 512, windows, progress=False)["ppl"]
+    assert dense == pytest.approx(dense_row["ppl"], rel=1e-3)
+    calib = sl.calibration_windows(loaded.tokenizer, int(fasp_row["nsamples"]), int(fasp_row["seqlen"]),
+                                   int(fasp_row["seed"]))
+    sl.prune(loaded, calib, "fasp", 0.2, progress=False)
+    pruned = sl.perplexity_of_ids(loaded.model, ids, 512, windows, progress=False)["ppl"]
+    assert pruned == pytest.approx(fasp_row["ppl"], rel=1e-3)
