@@ -330,7 +330,8 @@ class SpilledActivations:
         start, stop = self._rows(key)
         if tuple(value.shape) != (stop - start, *self.shape[1:]):
             raise ValueError(f"rows {start}:{stop} of {tuple(self.shape)} cannot take a tensor of shape {tuple(value.shape)}")
-        data = memoryview(value.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).numpy())
+        # flat bytes, so a partial write resumes at the right byte
+        data = memoryview(value.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy())
         offset = start * self._row
         while data:
             written = os.pwrite(self._fd, data, offset)
