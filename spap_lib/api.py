@@ -341,6 +341,16 @@ def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logi
             "sample_tokens": int(sample.numel())}
 
 
+def prune_result(model: str, method: str, sparsity: float, out_dir: str | Path, report: dict) -> dict:
+    """What a prune run records (02's ``prune_result.json``, the ``spap prune`` command's output): the
+    request, where the saved checkpoint is and its reload check, and the report's measured parts."""
+    checks = io.read_checkpoint_manifest(out_dir)["checks"]
+    return {"model": model, "method": method, "sparsity": sparsity, "out_dir": str(out_dir),
+            "reload_max_abs_diff": checks["reload_max_abs_diff"],
+            **{k: report[k] for k in ("seconds", "offload", "memory", "calibration", "sparsity", "params",
+                                      "perplexity")}}
+
+
 def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool = False,
          protect: dict | None = None, **extra) -> Path:
     """Save the pruned model, tokenizer, manifest (report + versions + git) and the plan

@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _prune(a) -> dict:
     import spap_lib as sl
-    from spap_lib.api import dense_perplexity, get_calibration
+    from spap_lib.api import dense_perplexity, get_calibration, prune_result
 
     out = Path(a.out).expanduser()
     job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
@@ -91,10 +91,7 @@ def _prune(a) -> dict:
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
     sl.save(loaded, report, out, overwrite=a.overwrite)
     loaded.onloader.close()
-    # What 02 writes as prune_result.json, printed (the checkpoint's manifest holds the full report).
-    return {"model": a.model, "method": a.method, "sparsity": a.sparsity, "out_dir": str(out),
-            **{k: report[k] for k in ("seconds", "offload", "memory", "calibration", "sparsity", "params",
-                                      "perplexity")}}
+    return prune_result(a.model, a.method, a.sparsity, out, report)  # what 02 writes as prune_result.json
 
 
 def _plan(a) -> str:

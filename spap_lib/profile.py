@@ -42,7 +42,7 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     activations needed) from one load, on a copy per variant; only the kept channels are returned."""
     from .api import prune
     from .data import calibration_windows
-    from .models import load, pick_device
+    from .models import load
     from .pipeline import plan_sparsity
 
     loaded = load(model, device=device)
@@ -60,7 +60,7 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
             del pruned
     device = loaded.device
     del loaded
-    _free(pick_device(str(device)))  # the profiling processes need this memory, not our caches
+    _free(device)  # the profiling processes need this memory, not our caches
     return variants
 
 

@@ -35,6 +35,7 @@ def test_prune_writes_the_notebooks_checkpoint_and_eval_reads_it(checkpoint, tmp
     assert (out / "config.json").is_file() and (out / "spap_manifest.json").is_file()
     manifest = json.loads((out / "spap_manifest.json").read_text())
     assert manifest["checks"]["reload_max_abs_diff"] <= 1e-4
+    assert result["reload_max_abs_diff"] == manifest["checks"]["reload_max_abs_diff"]  # 02's prune_result fields
     pruned_ppl = result["perplexity"]["pruned"]["ppl"]
     assert main(["eval", str(out), "--eval-seqlen", "24", "--eval-windows", "3", "--device", "cpu"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
