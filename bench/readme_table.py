@@ -1,7 +1,7 @@
 """Render committed result tables into README.md (between their markers).
 
-    python bench/readme_table.py bench/results/smollm2_spap.csv      # SPAP sweep   (results:start/end)
-    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end)
+    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end,
+                                                                      #   and the SPAP sweep: results:start/end)
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
 """
@@ -16,28 +16,32 @@ import pandas as pd
 from spap_lib.io import write_text_atomic
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def render(csv: str) -> str:
-    df = pd.read_csv(csv)
-    ppl = df.pivot_table(index=["method", "sparsity"], columns="eval_seqlen", values="ppl")
-    ppl.columns = [f"ppl @ {c}" for c in ppl.columns]
-    first = df.drop_duplicates(["method", "sparsity"]).set_index(["method", "sparsity"])
-    table = ppl.join(first[["achieved_decoder", "achieved_total", "decoder_params", "total_params", "prune_seconds"]])
-    table = table.sort_index(level="sparsity").reset_index()
-    digits = {**{c: 2 for c in ppl.columns}, "achieved_decoder": 4, "achieved_total": 4, "prune_seconds": 0}
-    return table.round(digits).to_markdown(index=False)
+def render_sweep(csv: str) -> str:
+    """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
+    perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
+    df = pd.read_csv(csv, keep_default_na=False)
+    df = df[df["label"].isin(["dense", "spap"])]
+    df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
+                         for s, w in zip(df["eval_seqlen"], df["eval_windows"])])
+    ppl = df.pivot_table(index=["model", "label", "sparsity"], columns="eval", values="ppl")
+    first = df.drop_duplicates(["model", "label", "sparsity"]).set_index(["model", "label", "sparsity"])
+    table = ppl.join(first[["achieved_sparsity", "mlp_channel_ratio", "prune_seconds", "device"]]).reset_index()
+    table = table.rename(columns={"label": "method"})
+    digits = {**{c: 2 for c in ppl.columns}, "achieved_sparsity": 4, "mlp_channel_ratio": 4, "prune_seconds": 0}
+    table = table.round(digits).astype(object)
+    return table.where(table.notna(), "").to_markdown(index=False)
 
 
 def render_ablation(csv: str) -> str:
-    """Perplexity per model/method (rows) and sparsity (columns), methods in the paper's order; the
-    model column says how many 512-token test windows were scored."""
+    """Perplexity per model/protocol/method (rows) and sparsity (columns), methods in the paper's order;
+    the protocol column says the window length and how many test windows were scored."""
     from spap_lib.figures import headline
 
-    windows = pd.read_csv(csv).groupby("model")["eval_windows"].max()
-    wide = headline(csv).round(2).reset_index().drop(columns="eval_seqlen")
-    wide["model"] = [f"{m} ({windows[m]} windows)" for m in wide["model"]]
+    wide = headline(csv).round(2).reset_index()
+    wide.insert(1, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
+                            for s, w in zip(wide.pop("eval_seqlen"), wide.pop("eval_windows"))])
     wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
     wide = wide.rename(columns={"0%": "dense"}).astype(object)
     return wide.where(wide.notna(), "").to_markdown(index=False)
@@ -68,13 +72,16 @@ RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile"
 
 def main(csv: str) -> None:
     kind = next((k for k in RENDERERS if k in Path(csv).name), None)
-    start, end, body = ((f"<!-- {kind}:start -->", f"<!-- {kind}:end -->", RENDERERS[kind](csv))
-                        if kind else (START, END, render(csv)))
+    if kind is None:
+        raise SystemExit(f"{csv}: no README table is rendered from it (known: {', '.join(RENDERERS)})")
+    blocks = {kind: RENDERERS[kind](csv), **({"results": render_sweep(csv)} if kind == "ablation" else {})}
     text = README.read_text()
-    if start not in text:
-        raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
-    block = f"{start}\n{body}\n{end}"
-    write_text_atomic(README, re.sub(re.escape(start) + ".*?" + re.escape(end), block, text, flags=re.S))
+    for name, body in blocks.items():
+        start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+        if start not in text:
+            raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
+        text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
+    write_text_atomic(README, text)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,15 @@ import pandas as pd
 from . import io
 
 def method_order() -> list[str]:
-    """Every registered method: baselines, then ablations, then the paper's method (each group in
-    registration order), from what the method classes declare."""
+    """Every registered method in the paper's order, from what the method classes declare: one-shot score
+    baselines, then the propagating baseline (FASP), then ablations, then the paper's method (each group
+    in registration order)."""
     from .methods import METHODS
 
-    return sorted(METHODS, key=lambda n: 0 if not METHODS[n].ours else 1 if METHODS[n].ablation_of else 2)
+    def group(name: str) -> int:
+        m = METHODS[name]
+        return 3 if m.ours and not m.ablation_of else 2 if m.ours else 1 if m.propagates else 0
+    return sorted(METHODS, key=group)
 
 
 def _label_order(labels) -> list[str]:
@@ -36,10 +40,13 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    table = pd.read_csv(results_csv, keep_default_na=False)
+    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
     if eval_seqlen is None:
         eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
     table = table[table["eval_seqlen"] == eval_seqlen]
+    # One protocol per figure: the window count most cells were scored on at this length (the whole-split
+    # rows of a few headline cells would otherwise be mixed into the first-40-windows curves).
+    table = table[table["eval_windows"] == table["eval_windows"].mode().iloc[0]]
     models = list(dict.fromkeys(table["model"]))
     sns.set_theme(style="whitegrid", context="notebook")
     labels = _label_order(table["label"])
@@ -64,7 +71,8 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
         ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
         ax.set_title(f"{model}")
         ax.set_xlabel("sparsity (share of decoder-layer parameters)")
-        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen} (log)")
+        windows = int(table["eval_windows"].iloc[0])
+        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {'whole test' if windows < 0 else f'{windows} windows'} (log)")
         handles, names = ax.get_legend_handles_labels()
         ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
@@ -74,11 +82,19 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     return fig
 
 
+def _protocol(table: pd.DataFrame) -> pd.DataFrame:
+    """``eval_windows`` as an int (-1: the whole test split), 40 where an old table lacks the column."""
+    windows = table["eval_windows"] if "eval_windows" in table else pd.Series(40, index=table.index)
+    return table.assign(eval_windows=pd.to_numeric(windows).astype(int))
+
+
 def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.DataFrame:
-    """Perplexity per (model, method) × sparsity, methods in the paper's order."""
-    table = pd.read_csv(results_csv, keep_default_na=False)
+    """Perplexity per (model, evaluation protocol, method) × sparsity, methods in the paper's order; the
+    protocol is the window length and the number of test windows (-1: the whole test split)."""
+    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
     if eval_seqlen is not None:
         table = table[table["eval_seqlen"] == eval_seqlen]
-    wide = table.pivot_table(index=["model", "eval_seqlen", "label"], columns="sparsity", values="ppl")
+    wide = table.pivot_table(index=["model", "eval_seqlen", "eval_windows", "label"], columns="sparsity",
+                             values="ppl")
     order = {label: i for i, label in enumerate(["dense", *_label_order(table["label"])])}
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)

@@ -9,6 +9,10 @@ Per model, computed once and shared by every (method, sparsity) cell:
 Propagating methods (SPAP and its ablations, FASP) rerun layers 1… on their own pruned activations.
 Every cell starts from a copy of the dense model. Rows are written after every cell (atomically)
 and cells already in the table are skipped, so an interrupted grid resumes where it stopped.
+Every cell is scored at each of ``eval_seqlens`` on the first ``eval_windows`` test windows; ``Eval``
+adds a protocol for some cells only (the paper's whole test split at 2048 for the headline cells).
+Each run appends its manifest to ``<results>.manifest.json`` (a table filled by many runs keeps the
+provenance of each).
 """
 from __future__ import annotations
 
@@ -55,6 +59,31 @@ class Variant:
             hparams[key.strip()] = yaml.safe_load(value)
         get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
         return cls(label, method, hparams)
+
+
+@dataclass(frozen=True)
+class Eval:
+    """An extra perplexity protocol for the cells whose label is in ``labels`` (all when empty) and whose
+    sparsity is in ``sparsities`` (all when empty; ``dense`` matches by label alone)."""
+
+    seqlen: int
+    windows: int | None = None  # None: the whole test split
+    labels: tuple[str, ...] = ()
+    sparsities: tuple[float, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: dict) -> "Eval":
+        unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
+        if unknown or "seqlen" not in spec:
+            raise ValueError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
+                             f"labels, sparsities")
+        return cls(int(spec["seqlen"]), spec.get("windows"), tuple(spec.get("labels") or ()),
+                   tuple(float(x) for x in spec.get("sparsities") or ()))
+
+    def applies(self, label: str, sparsity: float) -> bool:
+        if self.labels and label not in self.labels:
+            return False
+        return label == "dense" or not self.sparsities or any(abs(sparsity - s) < 1e-9 for s in self.sparsities)
 
 
 class Grid:
@@ -128,8 +157,10 @@ def _done(table: pd.DataFrame, row: dict) -> bool:
 
 
 def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
-             eval_windows: int | None, results_csv: str | Path, resume: bool = True) -> pd.DataFrame:
-    """Every variant × sparsity on one model (plus the dense reference), one row per eval seqlen."""
+             eval_windows: int | None, results_csv: str | Path, resume: bool = True,
+             extra_evals: list[Eval] = ()) -> pd.DataFrame:
+    """Every variant × sparsity on one model (plus the dense reference), one row per evaluation protocol:
+    each of ``eval_seqlens`` on ``eval_windows`` windows, plus the ``extra_evals`` that apply to the cell."""
     path = Path(results_csv)
     # Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours.
     table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
@@ -138,19 +169,21 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
         nonlocal table
         table = io.upsert_csv(path, pd.DataFrame(rows), KEY, table)
 
-    def probe(label, hparams, sparsity, seqlen):
+    def probe(label, hparams, sparsity, seqlen, windows):
         calib = grid.calib.describe()
         return {"model": grid.model_name, "label": label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
-                "eval_windows": eval_windows if eval_windows is not None else -1, "nsamples": calib["nsamples"],
+                "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
                 "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
 
-    def _todo(label, hparams, sparsity):
-        return [s for s in eval_seqlens if not (resume and _done(table, probe(label, hparams, sparsity, s)))]
+    def _todo(label, hparams, sparsity) -> list[tuple[int, int | None]]:
+        protocols = [(s, eval_windows) for s in eval_seqlens]
+        protocols += [(e.seqlen, e.windows) for e in extra_evals if e.applies(label, sparsity)]
+        return [p for p in dict.fromkeys(protocols)
+                if not (resume and _done(table, probe(label, hparams, sparsity, *p)))]
 
     todo = _todo("dense", {}, 0.0)
     if todo:
-        add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, eval_windows), eval_windows)
-             for s in todo])
+        add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, w), w) for s, w in todo])
     for sparsity in sparsities:
         for v in variants:
             todo = _todo(v.label, v.hparams, sparsity)
@@ -163,9 +196,22 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
                 print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
                 continue
             add([_row(grid, v.label, v.method, v.hparams, sparsity, report,
-                      grid.perplexity(pruned.model, s, eval_windows), eval_windows) for s in todo])
+                      grid.perplexity(pruned.model, s, w), w) for s, w in todo])
             if grid.progress:
                 print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             del pruned
     return table
+
+
+def record_run(results_csv: str | Path, **fields) -> Path:
+    """Append this run's manifest (versions, git revision, parameters) to ``<results>.manifest.json``.
+
+    The table is filled by many runs (models, methods and sparsities added over time, resumed cells):
+    the file keeps every run's manifest under ``runs`` instead of the last run's only.
+    """
+    path = Path(results_csv).with_suffix(".manifest.json")
+    old = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    runs = old["runs"] if "runs" in old else [old]  # a file written before the log: its one run
+    io.write_json_atomic(path, {"runs": [*runs, io.manifest(**fields)]})
+    return path

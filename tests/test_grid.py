@@ -6,7 +6,7 @@ import torch
 import spap_lib.grid as grid_mod
 from spap_lib.data import Calibration
 from spap_lib.figures import figure2, headline
-from spap_lib.grid import Grid, Variant, run_grid
+from spap_lib.grid import Eval, Grid, Variant, record_run, run_grid
 from spap_lib.models import Loaded, ModelSource
 
 
@@ -66,5 +66,40 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
     fig = figure2(csv, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 10_000 and len(fig.axes) == 2
     wide = headline(csv)
-    assert list(wide.loc[("a", 512)].index) == ["dense", "magnitude", "flap/allocation=uniform", "spap"]
-    assert wide.loc[("b", 512, "spap"), 0.2] == pytest.approx(36.0)
+    assert list(wide.loc[("a", 512, 40)].index) == ["dense", "magnitude", "flap/allocation=uniform", "spap"]
+    assert wide.loc[("b", 512, 40, "spap"), 0.2] == pytest.approx(36.0)
+
+
+def test_extra_protocols_apply_to_their_cells_only(tiny_tokenizer, windows, tmp_path, monkeypatch):
+    g = _grid("llama", tiny_tokenizer, windows)
+    # (windows None, the whole split, works the same; 5 windows keep the test fast)
+    extra = Eval.parse({"seqlen": 32, "windows": 5, "labels": ["dense", "wanda_sp"], "sparsities": [0.2]})
+    csv = tmp_path / "t.csv"
+    table = run_grid(g, [Variant.parse("magnitude"), Variant.parse("wanda_sp")], [0.2, 0.4], [16], 2, csv,
+                     extra_evals=[extra])
+    got = set(zip(table["label"], table["sparsity"], table["eval_seqlen"], table["eval_windows"]))
+    whole = ("dense", 0.0, 32, 5), ("wanda_sp", 0.2, 32, 5)
+    assert got == {("dense", 0.0, 16, 2), ("magnitude", 0.2, 16, 2), ("magnitude", 0.4, 16, 2),
+                   ("wanda_sp", 0.2, 16, 2), ("wanda_sp", 0.4, 16, 2), *whole}
+    assert Eval.parse({"seqlen": 2048, "windows": None}).windows is None
+    # Adding a protocol later re-prunes only the cells it applies to.
+    pruned = []
+    real = Grid.prune
+    monkeypatch.setattr(Grid, "prune", lambda self, v, s: pruned.append((v.label, s)) or real(self, v, s))
+    later = Eval.parse({"seqlen": 8, "windows": 3, "labels": ["magnitude"]})
+    run_grid(g, [Variant.parse("magnitude"), Variant.parse("wanda_sp")], [0.2, 0.4], [16], 2, csv,
+             extra_evals=[extra, later])
+    assert pruned == [("magnitude", 0.2), ("magnitude", 0.4)]
+    with pytest.raises(ValueError, match="bad extra evaluation .* expected keys seqlen"):
+        Eval.parse({"seqlen": 8, "window": 3})
+
+
+def test_every_run_keeps_its_manifest(tmp_path):
+    import json
+
+    csv = tmp_path / "ablation.csv"
+    csv.with_suffix(".manifest.json").write_text(json.dumps({"notebook": "03_ablate", "models": ["old"]}))
+    record_run(csv, models=["a"])
+    path = record_run(csv, models=["b"])
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["models"] for r in runs] == [["old"], ["a"], ["b"]] and "git_revision" in runs[-1]

@@ -34,14 +34,17 @@ def test_column_refit_equals_least_squares_on_kept_rows():
     torch.testing.assert_close(W, W_direct, rtol=1e-8, atol=1e-8)
 
 
+@pytest.mark.parametrize("threshold", ["top", "previous"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lam", [1, 5, 11])
-def test_penalty_method_returns_feasible_binary_mask(bias, lam):
+def test_penalty_method_returns_feasible_binary_mask(bias, lam, threshold):
     Z, Y = _data()
     Zt = torch.cat([Z, torch.ones(1, Z.shape[1], dtype=Z.dtype)]) if bias else Z
     W0 = torch.randn(Y.shape[0], Zt.shape[0], dtype=torch.float64)
-    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=bias, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0)
+    keep, W, info = penalty_method(W0, Zt @ Zt.T, lam, bias=bias, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20,
+                                   damp=0.0, threshold=threshold)
     n = Z.shape[0]
+    assert 0 <= info["moved"] <= lam
     assert keep.dtype == torch.long and len(keep) == n - lam
     assert torch.equal(keep, torch.unique(keep)) and 0 <= int(keep.min()) and int(keep.max()) < n
     assert W.shape == (Y.shape[0], n - lam + bias)
@@ -51,7 +54,25 @@ def test_penalty_method_returns_feasible_binary_mask(bias, lam):
     torch.testing.assert_close(W, W_direct, rtol=1e-7, atol=1e-7)
 
 
-def test_penalty_method_finds_planted_support():
+def test_one_penalty_iteration_removes_the_first_score_step():
+    """K = 1: the hard mask is the first s-step's choice (``moved`` = 0) under either rule; more
+    iterations with a strong penalty may move it, and ``moved`` counts exactly the difference."""
+    from spap_lib.methods.spap import column_scores
+
+    Z, Y = _data()
+    H = Z @ Z.T
+    W0 = torch.randn(Y.shape[0], Z.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    first = set(torch.topk(column_scores(W0, torch.diagonal(H).sqrt(), 0.5), 5, largest=False).indices.tolist())
+    for threshold in ("top", "previous"):
+        keep, _, info = penalty_method(W0, H, 5, bias=False, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=1, damp=0.0,
+                                       threshold=threshold)
+        assert info["moved"] == 0 and set(range(Z.shape[0])) - set(keep.tolist()) == first
+    keep, _, info = penalty_method(W0, H, 5, bias=False, rho0=10.0, tau=2.0, t=0.5, alpha=0.0, K=20, damp=0.0)
+    assert info["moved"] == len((set(range(Z.shape[0])) - set(keep.tolist())) - first)
+
+
+@pytest.mark.parametrize("threshold", ["top", "previous"])
+def test_penalty_method_finds_planted_support(threshold):
     """Outputs that depend on a subset of channels only (plus a bias): that subset is kept."""
     g = torch.Generator().manual_seed(3)
     n, lam = 16, 6
@@ -60,7 +81,8 @@ def test_penalty_method_finds_planted_support():
     removed = torch.tensor([1, 2, 5, 8, 13, 15])
     W0[:, removed] = 0
     Zt = torch.cat([Z, torch.ones(1, 400, dtype=Z.dtype)])
-    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=True, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0)
+    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=True, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0,
+                                threshold=threshold)
     assert set(keep.tolist()) == set(range(n)) - set(removed.tolist())
     torch.testing.assert_close(W, W0[:, torch.cat([keep, keep.new_tensor([n])])])
 

@@ -151,7 +151,7 @@ def test_ablate_notebook_records_every_method_then_redraws_from_the_table(smoke_
     assert pruned["ppl"].map(math.isfinite).all()
     dense = float(table.loc[table["label"] == "dense", "ppl"].iloc[0])
     assert (pruned.set_index("label")["ppl"] > dense).all()  # pruning costs something
-    assert json.loads((smoke_run / "ablation.manifest.json").read_text())["methods"] == methods
+    assert json.loads((smoke_run / "ablation.manifest.json").read_text())["runs"][-1]["methods"] == methods
     assert (smoke_run / "figure2.png").stat().st_size > 10_000
     # prune=False redraws the figure from the table alone: nothing is loaded, the table is unchanged
     run = tmp_path / "run"

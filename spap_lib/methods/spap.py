@@ -28,6 +28,8 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
 * ``am_iters`` defaults to 10 rounds, not the paper's 20: on 32 × 512 calibration tokens 20 rounds
   overfit (held-out error), 10 were best.
 * The hard mask breaks ties in ``s`` by the final score (lowest removed first).
+* The s-step marks the λ lowest scores of the current iterate (``threshold="top"``); Alg. 1 as printed
+  compares them with ``Top_{n−λ}`` of the previous iteration's scores (``threshold="previous"``).
 * ``precision="auto"``: float64 on a CPU; on CUDA float32 Gram sums and Jacobi-scaled float32 solves
   with TF32 products (``linalg``), the fit of a 24 GB GPU.
 """
@@ -61,10 +63,16 @@ def penalty_method(
     alpha: float,
     K: int,
     damp: float,
+    threshold: str = "top",
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Alg. 1 on ``W0 [d, n(+1)]`` and ``H = Z̃ Z̃ᵀ``; with ``bias`` the last column/row is the bias.
 
-    Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics.
+    ``threshold`` is the s-step's rule: ``"top"`` marks the λ lowest scores of this iteration;
+    ``"previous"`` is Algorithm 1 as printed, marking every channel whose score falls below
+    ``Top_{n−λ}`` of the *previous* iteration's scores (so the count may differ from λ; the hard
+    mask at the end removes exactly λ either way).
+    Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics,
+    among them ``moved``: how many removed channels differ from the first score step's choice.
     """
     dtype = H.dtype  # the method's precision
     n = H.shape[0] - int(bias)
@@ -76,11 +84,19 @@ def penalty_method(
     W = W0.to(dtype)
     s = torch.zeros(n, dtype=dtype, device=H.device)
     rho = rho0 * scale
+    previous, first = None, None
     for _ in range(K):  # Alg. 1: for k = 1, …, K
-        # s-step: s_new marks the λ columns of lowest score; s moves toward it
+        # s-step: s_new marks the columns of lowest score; s moves toward it
         score = column_scores(W[:, :n], znorm, t)
         s_new = torch.zeros_like(s)
-        s_new[torch.topk(score, lam, largest=False).indices] = 1.0
+        if threshold == "previous" and previous is not None and 0 < lam < n:
+            # Alg. 1 as printed: s_new_j = 1 iff score_j < Top_{n−λ}(previous scores)
+            s_new[score < torch.topk(previous, n - lam).values[-1]] = 1.0
+        else:
+            s_new[torch.topk(score, lam, largest=False).indices] = 1.0
+        if first is None:
+            first = torch.topk(score, lam, largest=False).indices  # the first score step's λ channels
+        previous = score
         s = alpha * s + (1 - alpha) * s_new
         # W-step: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + ρ diag(s) + δI)⁻¹ (the bias column is never penalised)
         penalty = torch.full((H.shape[0],), delta, dtype=dtype, device=H.device)
@@ -98,7 +114,11 @@ def penalty_method(
     keep = torch.nonzero(keep_mask).flatten()
     cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
     W_keep = lstsq_columns(YZ, H, cols, delta)
-    info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0}
+    removed_first = torch.zeros(n, dtype=torch.bool, device=H.device)
+    if first is not None:
+        removed_first[first] = True
+    info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0,
+            "moved": int((~keep_mask & ~removed_first).sum())}
     return keep, W_keep, info
 
 
@@ -203,6 +223,9 @@ class SPAP(Method):
     rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
     tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
     K: int = hp(20, ge=1)  # penalty iterations (10, 20, 30 gave the same masks; 20 lets ρ grow ~3000x)
+    # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
+    # previous iteration's scores)
+    threshold: str = hp("top", choices=("top", "previous"))
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (1e-4 and 1e-2 were worse)
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
@@ -222,7 +245,7 @@ class SPAP(Method):
         dense = problem.dense
         keep, W_keep, info = penalty_method(
             get_out(dense), problem.H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
-            t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
+            t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
         )
         mlp = dense.select(keep)
         set_out(mlp, W_keep)

@@ -1,0 +1,156 @@
+"""Per-layer held-out error of SPAP's parts: Table 5 under both readings of the paper's budget, and
+what the penalty method changes in the mask.
+
+For each chosen decoder layer the dense MLP inputs are captured for the calibration windows (the fit
+set, seed 0) and for held-out windows (seed 1, every window overlapping a fit window dropped), as in
+``bench/tune.py``. Then, on the same layer problem:
+
+* **variants** (``--variants``, grid labels such as ``spap_gd/am_iters=20,adam_steps=1``): each prunes
+  the layer; we record the held-out and calibration relative error ``‖Y − f(X)‖²/‖Y‖²`` and seconds.
+* **masks**: the channels removed by the first score step of Alg. 1 (``first``), by the whole penalty
+  method (``penalty``, the default top-λ rule, and ``penalty_previous``, Alg. 1's printed threshold
+  rule) and by FASP (``fasp``); how many of each set's channels differ from the penalty method's, and
+  the held-out error of every mask refitted the same way (least squares on the kept columns, the
+  refit ``spap_no_update`` and FASP share).
+
+    python bench/layers.py --model smollm2-135m --layers 2,15,28 --out bench/results/layers_smollm2.csv
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import pandas as pd
+import torch
+
+import spap_lib as sl
+from spap_lib.grid import Variant
+from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.linalg import lstsq_columns, mean_diag
+from spap_lib.methods import LayerProblem
+from spap_lib.methods.spap import column_scores, get_out, penalty_method, set_out
+from tune import mlp_inputs
+
+TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds x 10 Adam steps (defaults)
+          "spap/am_iters=20,spap_gd/am_iters=20,"  # the paper's 20 rounds, equal gradient steps (200)
+          "spap_gd/am_iters=20,adam_steps=1")  # equal iterations: 20 Adam steps against spap/am_iters=20
+
+
+def held_out_windows(tokenizer, fit, n: int, seqlen: int):
+    """``n`` windows of seed 1 that share no token position with a fit window."""
+    cand = sl.calibration_windows(tokenizer, 4 * n, seqlen, seed=1)
+    ok = [i for i, s in enumerate(cand.starts.tolist()) if all(abs(s - f) >= seqlen for f in fit.starts.tolist())]
+    if len(ok) < n:
+        raise SystemExit(f"only {len(ok)} held-out windows avoid the fit windows; lower --nsamples")
+    return cand, cand.windows[ok[:n]]
+
+
+def rel_error(mlp, X, Y) -> float:
+    with torch.no_grad():
+        return float((mlp(X) - Y).pow(2).sum() / Y.pow(2).sum())
+
+
+def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
+    """The removed sets of the first score step, the penalty method (both rules) and FASP, each refitted
+    by least squares on its kept columns; differences counted against the penalty method's set."""
+    dense, H, n, lam = problem.dense, problem.H, problem.dense.width, problem.n_remove
+    bias = problem.has_bias
+    znorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()
+    W0 = get_out(dense).to(H.dtype)
+    kw = dict(bias=bias, rho0=spap.rho0, tau=spap.tau, t=spap.t, alpha=spap.alpha, K=spap.K, damp=spap.damp)
+    removed = {
+        "first": set(torch.topk(column_scores(W0[:, :n], znorm, spap.t), lam, largest=False).indices.tolist()),
+        "fasp": set(torch.topk(dense.W_out.double().abs().sum(0) * znorm, lam, largest=False).indices.tolist()),
+    }
+    for name, rule in (("penalty", "top"), ("penalty_previous", "previous")):
+        keep, _, _ = penalty_method(W0, H, lam, threshold=rule, **kw)
+        removed[name] = set(range(n)) - set(keep.tolist())
+    rows = []
+    for name, gone in removed.items():
+        keep = torch.tensor(sorted(set(range(n)) - gone), dtype=torch.long)
+        cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
+        mlp = dense.select(keep)
+        set_out(mlp, lstsq_columns(W0 @ H, H, cols, spap.damp * mean_diag(H[:n, :n])))
+        rows.append({"kind": "mask", "label": name, "differs_from_penalty": len(gone - removed["penalty"]),
+                     "differs_from_first": len(gone - removed["first"]), "removed": lam,
+                     "heldout_rel_error": rel_error(mlp, X_held, Y_held),
+                     "fit_rel_error": rel_error(mlp, problem.X, problem.Y)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="2,15,28")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--held", type=int, default=8, help="held-out windows")
+    ap.add_argument("--sparsity", type=float, default=0.2)
+    ap.add_argument("--variants", default=TABLE5, help="comma-separated grid labels; ',' inside a label's "
+                    "key=value list is allowed (a part without '/' or '=' starts a new label)")
+    ap.add_argument("--no-masks", action="store_true", help="skip the mask comparison")
+    ap.add_argument("--out", default="bench/results/layers.csv")
+    args = ap.parse_args(argv)
+    labels = []
+    for part in args.variants.split(","):  # "spap_gd/am_iters=20,adam_steps=1" stays one label
+        if labels and "=" in part and "/" not in part:
+            labels[-1] += "," + part
+        else:
+            labels.append(part)
+    variants = [Variant.parse(label) for label in labels]  # unknown method or hyperparameter: fail now
+    command = " ".join(["python", "bench/layers.py", *(sys.argv[1:] if argv is None else argv)])
+    revision = git_revision()
+
+    loaded = sl.load(args.model, device="cpu")
+    layers = [int(x) for x in args.layers.split(",")]
+    fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
+    held, held_windows = held_out_windows(loaded.tokenizer, fit, args.held, args.seqlen)
+    X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held_windows, layers)
+    n_remove = sl.plan_sparsity(loaded.adapter, args.sparsity).n_remove
+    spap = sl.get_method("spap")
+    rows = []
+    for i in layers:
+        dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
+        Y_held = dense(X_held[i]).detach()
+        problem = LayerProblem(dense, X_fit[i], n_remove, seed=0, layer_index=i)
+        for v in variants:
+            t0 = time.perf_counter()
+            res = sl.get_method(v.method, **v.hparams).prune(problem)
+            rows.append({"layer": i, "kind": "variant", "label": v.label, "seconds": time.perf_counter() - t0,
+                         "heldout_rel_error": rel_error(res.mlp, X_held[i], Y_held),
+                         "fit_rel_error": rel_error(res.mlp, problem.X, problem.Y), "moved": res.info.get("moved")})
+            print(i, v.label, f"{rows[-1]['heldout_rel_error']:.5f}", f"{rows[-1]['seconds']:.1f}s", flush=True)
+        if not args.no_masks:
+            rows += [{"layer": i, **r} for r in mask_rows(problem, spap, X_held[i], Y_held)]
+        write_results(args, command, revision, fit, held, rows)  # after every layer: partial results land
+
+
+def write_results(args, command, revision, fit, held, rows) -> None:
+    frame = pd.DataFrame(rows)
+    write_csv_atomic(args.out, frame)
+    parts = [f"# Per-layer held-out error: {args.model} at {args.sparsity:.0%}\n\nCommand: `{command}`  \n"
+             f"git: {revision}  \nfit {fit.describe()}; held-out {held.describe()} (windows overlapping the "
+             f"fit set dropped; {args.held} kept).\nRelative error ‖Y − f(X)‖²/‖Y‖² of the pruned MLP on dense "
+             f"inputs (lower is better).\n"]
+    for kind, title in (("variant", "Variants (held-out error per layer, mean, calibration error, seconds)"),
+                        ("mask", "Masks refitted by least squares (held-out error per layer)")):
+        part = frame[frame["kind"] == kind]
+        if part.empty:
+            continue
+        wide = part.pivot_table(index="label", columns="layer", values="heldout_rel_error", sort=False)
+        wide.columns = [f"layer {c}" for c in wide.columns]
+        wide["mean"] = wide.mean(axis=1)
+        wide["fit (mean)"] = part.groupby("label", sort=False)["fit_rel_error"].mean()
+        if kind == "variant":
+            wide["seconds / layer"] = part.groupby("label", sort=False)["seconds"].mean()
+        else:
+            wide["differs from penalty (mean of λ)"] = part.groupby("label", sort=False)["differs_from_penalty"].mean()
+            wide["differs from first (mean)"] = part.groupby("label", sort=False)["differs_from_first"].mean()
+            wide["λ"] = part.groupby("label", sort=False)["removed"].first()
+        parts.append(f"\n## {title}\n\n{wide.to_markdown(floatfmt='.5g')}\n")
+    write_text_atomic(args.out.replace(".csv", ".md"), "".join(parts))
+
+
+if __name__ == "__main__":
+    main()
