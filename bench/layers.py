@@ -18,6 +18,7 @@ set, seed 0) and for held-out windows (seed 1, every window overlapping a fit wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -43,7 +44,7 @@ def held_out_windows(tokenizer, fit, n: int, seqlen: int):
     ok = [i for i, s in enumerate(cand.starts.tolist()) if all(abs(s - f) >= seqlen for f in fit.starts.tolist())]
     if len(ok) < n:
         raise SystemExit(f"only {len(ok)} held-out windows avoid the fit windows; lower --nsamples")
-    return cand, cand.windows[ok[:n]]
+    return dataclasses.replace(cand, windows=cand.windows[ok[:n]], starts=cand.starts[ok[:n]])
 
 
 def rel_error(mlp, X, Y) -> float:
@@ -105,8 +106,8 @@ def main(argv=None) -> None:
     loaded = sl.load(args.model, device="cpu")
     layers = [int(x) for x in args.layers.split(",")]
     fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
-    held, held_windows = held_out_windows(loaded.tokenizer, fit, args.held, args.seqlen)
-    X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held_windows, layers)
+    held = held_out_windows(loaded.tokenizer, fit, args.held, args.seqlen)
+    X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     n_remove = sl.plan_sparsity(loaded.adapter, args.sparsity).n_remove
     spap = sl.get_method("spap")
     rows = []
@@ -130,8 +131,8 @@ def write_results(args, command, revision, fit, held, rows) -> None:
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
     parts = [f"# Per-layer held-out error: {args.model} at {args.sparsity:.0%}\n\nCommand: `{command}`  \n"
-             f"git: {revision}  \nfit {fit.describe()}; held-out {held.describe()} (windows overlapping the "
-             f"fit set dropped; {args.held} kept).\nRelative error ‖Y − f(X)‖²/‖Y‖² of the pruned MLP on dense "
+             f"git: {revision}  \nfit {fit.describe()}; held-out {held.describe()} (seed-1 windows that overlap "
+             f"no fit window).\nRelative error ‖Y − f(X)‖²/‖Y‖² of the pruned MLP on dense "
              f"inputs (lower is better).\n"]
     for kind, title in (("variant", "Variants (held-out error per layer, mean, calibration error, seconds)"),
                         ("mask", "Masks refitted by least squares (held-out error per layer)")):

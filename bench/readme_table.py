@@ -22,11 +22,13 @@ def render_sweep(csv: str) -> str:
     """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
     df = pd.read_csv(csv, keep_default_na=False)
-    df = df[df["label"].isin(["dense", "spap"])]
+    df = df[df["label"].isin(["dense", "spap"])].assign(calib=lambda d: [f"{n}×{s}" for n, s in zip(d["nsamples"],
+                                                                                                   d["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
                          for s, w in zip(df["eval_seqlen"], df["eval_windows"])])
-    ppl = df.pivot_table(index=["model", "label", "sparsity"], columns="eval", values="ppl")
-    first = df.drop_duplicates(["model", "label", "sparsity"]).set_index(["model", "label", "sparsity"])
+    cell = ["model", "calib", "label", "sparsity"]
+    ppl = df.pivot_table(index=cell, columns="eval", values="ppl")
+    first = df.drop_duplicates(cell).set_index(cell)
     table = ppl.join(first[["achieved_sparsity", "mlp_channel_ratio", "prune_seconds", "device"]]).reset_index()
     table = table.rename(columns={"label": "method"})
     digits = {**{c: 2 for c in ppl.columns}, "achieved_sparsity": 4, "mlp_channel_ratio": 4, "prune_seconds": 0}
@@ -40,7 +42,7 @@ def render_ablation(csv: str) -> str:
     from spap_lib.figures import headline
 
     wide = headline(csv).round(2).reset_index()
-    wide.insert(1, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
+    wide.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
                             for s, w in zip(wide.pop("eval_seqlen"), wide.pop("eval_windows"))])
     wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
     wide = wide.rename(columns={"0%": "dense"}).astype(object)

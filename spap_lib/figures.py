@@ -44,9 +44,12 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     if eval_seqlen is None:
         eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
     table = table[table["eval_seqlen"] == eval_seqlen]
-    # One protocol per figure: the window count most cells were scored on at this length (the whole-split
-    # rows of a few headline cells would otherwise be mixed into the first-40-windows curves).
-    table = table[table["eval_windows"] == table["eval_windows"].mode().iloc[0]]
+    # One protocol per panel: the calibration size and test-window count most of the model's cells used
+    # (the whole-split rows of a few headline cells, or a calibration-size study, would otherwise be
+    # mixed into the grid's curves).
+    table = pd.concat([part[(part["eval_windows"] == part["eval_windows"].mode().iloc[0])
+                            & (part["calib"] == part["calib"].mode().iloc[0])]
+                       for _, part in table.groupby("model", sort=False)])
     models = list(dict.fromkeys(table["model"]))
     sns.set_theme(style="whitegrid", context="notebook")
     labels = _label_order(table["label"])
@@ -69,10 +72,10 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
             ax.set_ylim(top=top)
         ticks = sorted(set(pruned["sparsity"]))
         ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
-        ax.set_title(f"{model}")
         ax.set_xlabel("sparsity (share of decoder-layer parameters)")
-        windows = int(table["eval_windows"].iloc[0])
+        windows, calib = int(part["eval_windows"].iloc[0]), part["calib"].iloc[0]
         ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {'whole test' if windows < 0 else f'{windows} windows'} (log)")
+        ax.set_title(f"{model}" + (f" (calibration {calib})" if calib else ""))
         handles, names = ax.get_legend_handles_labels()
         ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     fig.tight_layout()
@@ -83,18 +86,22 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
 
 
 def _protocol(table: pd.DataFrame) -> pd.DataFrame:
-    """``eval_windows`` as an int (-1: the whole test split), 40 where an old table lacks the column."""
+    """``eval_windows`` as an int (-1: the whole test split; 40 where a table lacks the column) and
+    ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it): cells that differ
+    in either are different measurements and never averaged together."""
     windows = table["eval_windows"] if "eval_windows" in table else pd.Series(40, index=table.index)
-    return table.assign(eval_windows=pd.to_numeric(windows).astype(int))
+    calib = ([f"{n}×{s}" for n, s in zip(table["nsamples"], table["seqlen"])]
+             if {"nsamples", "seqlen"} <= set(table.columns) else "")
+    return table.assign(eval_windows=pd.to_numeric(windows).astype(int), calib=calib)
 
 
 def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.DataFrame:
-    """Perplexity per (model, evaluation protocol, method) × sparsity, methods in the paper's order; the
-    protocol is the window length and the number of test windows (-1: the whole test split)."""
+    """Perplexity per (model, calibration size, evaluation protocol, method) × sparsity, methods in the
+    paper's order; the protocol is the window length and the number of test windows (-1: the whole split)."""
     table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
     if eval_seqlen is not None:
         table = table[table["eval_seqlen"] == eval_seqlen]
-    wide = table.pivot_table(index=["model", "eval_seqlen", "eval_windows", "label"], columns="sparsity",
+    wide = table.pivot_table(index=["model", "calib", "eval_seqlen", "eval_windows", "label"], columns="sparsity",
                              values="ppl")
     order = {label: i for i, label in enumerate(["dense", *_label_order(table["label"])])}
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)

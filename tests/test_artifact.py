@@ -100,7 +100,7 @@ def test_committed_result_tables(name):
 
 
 @pytest.mark.parametrize("config", ["smoke.yaml", "offline.yaml", "paper.yaml", "ablate_offline.yaml",
-                                    "ablate_qwen.yaml"])
+                                    "ablate_qwen.yaml", "calib_size.yaml"])
 def test_every_config_value_has_the_type_its_notebooks_declare(config):
     """A chain config feeds every notebook: a name declared by two notebooks with two types (05's list of
     kept-width multiples vs 02's one multiple, once both `round_to`) fails here, not in `make main`."""

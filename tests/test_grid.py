@@ -66,8 +66,17 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
     fig = figure2(csv, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 10_000 and len(fig.axes) == 2
     wide = headline(csv)
-    assert list(wide.loc[("a", 512, 40)].index) == ["dense", "magnitude", "flap/allocation=uniform", "spap"]
-    assert wide.loc[("b", 512, 40, "spap"), 0.2] == pytest.approx(36.0)
+    assert list(wide.loc[("a", "", 512, 40)].index) == ["dense", "magnitude", "flap/allocation=uniform", "spap"]
+    assert wide.loc[("b", "", 512, 40, "spap"), 0.2] == pytest.approx(36.0)
+    # A cell measured under another protocol (calibration size, test windows) is its own row, never
+    # averaged into the grid's, and stays out of the figure.
+    more = [{**rows[-1], "ppl": 1e4, "nsamples": 128, "seqlen": 512}]
+    pd.DataFrame([{**r, "nsamples": 32, "seqlen": 512} for r in rows] + more).to_csv(csv, index=False)
+    wide = headline(csv)
+    assert wide.loc[("b", "32×512", 512, 40, "spap"), 0.2] == pytest.approx(36.0)
+    assert wide.loc[("b", "128×512", 512, 40, rows[-1]["label"]), rows[-1]["sparsity"]] == 1e4
+    fig = figure2(csv, tmp_path / "fig.png")
+    assert max(max(line.get_ydata(), default=0) for ax in fig.axes for line in ax.get_lines()) < 1e4
 
 
 def test_extra_protocols_apply_to_their_cells_only(tiny_tokenizer, windows, tmp_path, monkeypatch):
