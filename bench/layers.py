@@ -17,7 +17,6 @@ set, seed 0) and for held-out windows (seed 1, every window overlapping a fit wi
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
@@ -31,7 +30,7 @@ from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import lstsq_columns, mean_diag
 from spap_lib.methods import LayerProblem
 from spap_lib.methods.spap import column_scores, get_out, penalty_method, set_out
-from tune import mlp_inputs
+from tune import layer_bench_parser, mlp_inputs
 
 TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds x 10 Adam steps (defaults)
           "spap/am_iters=20,spap_gd/am_iters=20,"  # the paper's 20 rounds, equal gradient steps (200)
@@ -81,13 +80,8 @@ def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--layers", default="2,15,28")
-    ap.add_argument("--nsamples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
+    ap = layer_bench_parser(__doc__)
     ap.add_argument("--held", type=int, default=8, help="held-out windows")
-    ap.add_argument("--sparsity", type=float, default=0.2)
     ap.add_argument("--variants", default=TABLE5, help="comma-separated grid labels; ',' inside a label's "
                     "key=value list is allowed (a part without '/' or '=' starts a new label)")
     ap.add_argument("--no-masks", action="store_true", help="skip the mask comparison")

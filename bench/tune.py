@@ -45,13 +45,19 @@ def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, to
     return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def layer_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every per-layer bench shares (this one and ``bench/layers.py``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--layers", default="2,15,28")
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--sparsity", type=float, default=0.2)
+    return ap
+
+
+def main(argv=None) -> None:
+    ap = layer_bench_parser(__doc__)
     ap.add_argument("--which", choices=["penalty", "update", "both", "methods"], default="both",
                     help="'methods': compare the registered methods in --methods at the base point")
     ap.add_argument("--methods", default="spap,spap_gd", help="with --which methods")

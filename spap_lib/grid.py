@@ -72,12 +72,21 @@ class Eval:
     sparsities: tuple[float, ...] = ()
 
     @classmethod
-    def parse(cls, spec: dict) -> "Eval":
+    def parse(cls, spec: dict, labels: list[str] | None = None) -> "Eval":
+        """``spec`` from a config; with ``labels`` (the grid's variants), a label it names must be one."""
         unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
         if unknown or "seqlen" not in spec:
             raise ValueError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
                              f"labels, sparsities")
-        return cls(int(spec["seqlen"]), spec.get("windows"), tuple(spec.get("labels") or ()),
+        from .checks import Spec
+
+        Spec(int, ge=2).check("extra_evals seqlen", spec["seqlen"])
+        Spec(int, ge=1, optional=True).check("extra_evals windows", spec.get("windows"))
+        stray = set(spec.get("labels") or ()) - {"dense", *(labels or ())}
+        if labels is not None and stray:
+            raise ValueError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
+                             f"(its labels: dense, {', '.join(labels)})")
+        return cls(spec["seqlen"], spec.get("windows"), tuple(spec.get("labels") or ()),
                    tuple(float(x) for x in spec.get("sparsities") or ()))
 
     def applies(self, label: str, sparsity: float) -> bool:

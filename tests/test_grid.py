@@ -101,6 +101,8 @@ def test_extra_protocols_apply_to_their_cells_only(tiny_tokenizer, windows, tmp_
     assert pruned == [("magnitude", 0.2), ("magnitude", 0.4)]
     with pytest.raises(ValueError, match="bad extra evaluation .* expected keys seqlen"):
         Eval.parse({"seqlen": 8, "window": 3})
+    with pytest.raises(ValueError, match=r"names \['spap'\], which the grid does not run"):
+        Eval.parse({"seqlen": 8, "labels": ["dense", "spap"]}, labels=["magnitude"])
 
 
 def test_every_run_keeps_its_manifest(tmp_path):
