@@ -270,3 +270,76 @@ def rotate_and_slice(model: nn.Module, layout: Layout, windows: torch.Tensor, k:
         dims.append({"in": k, "mid": k, "out": k_out})
     _rotate_in([model.lm_head], Q, d)
     return dims
+
+
+# -- the sliced checkpoint: the plan stored as data, re-applied on load --------------------------------
+SLICED_TYPE = "spap_sliced"  # config.json's model_type: stock transformers refuses it (nothing loads wrong)
+
+
+def plan_of(model: nn.Module, layout: Layout, dims: list[dict]) -> dict:
+    """What ``load_sliced`` needs to rebuild the shapes: the base architecture and every dimension."""
+    return {"base_model_type": model.config.model_type, "hidden_size": model.config.hidden_size,
+            "embedding_dim": _get(model, layout.embeddings[0]).weight.shape[1], "dims": dims,
+            "head_bias": model.lm_head.bias is not None}
+
+
+def mark_sliced(folder, plan: dict) -> None:
+    """Rewrite a saved ``config.json``: ``model_type`` becomes ``spap_sliced`` (stock ``from_pretrained``
+    then refuses it instead of loading random weights into stock shapes) and the plan goes alongside."""
+    import json
+    from pathlib import Path
+
+    from .io import write_json_atomic
+
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    write_json_atomic(path, {**config, "model_type": SLICED_TYPE, "spap_slicing": plan})
+
+
+def sliced_config(config_dict: dict):
+    """The base architecture's config for a ``spap_sliced`` config.json (plan kept as ``spap_slicing``)."""
+    from transformers import AutoConfig
+
+    plan = config_dict["spap_slicing"]
+    rest = {k: v for k, v in config_dict.items() if k not in ("model_type",)}
+    return AutoConfig.for_model(plan["base_model_type"], **rest)
+
+
+@torch.no_grad()
+def shape_like(model: nn.Module, plan: dict) -> nn.Module:
+    """Give a freshly built base model the sliced structure of ``plan`` (norms fused to ``RMSN``, blocks
+    wrapped with shortcuts, every Linear at its sliced shape), ready for ``load_state_dict``."""
+    layout = fuse_norms(model)
+    eye = torch.eye(plan["hidden_size"], dtype=torch.float64)
+    for path in layout.embeddings:
+        E = _get(model, path)
+        E.weight.data = E.weight.data[:, :plan["embedding_dim"]].contiguous()
+        E.embedding_dim = plan["embedding_dim"]
+    for blk, dims in zip(_get(model, layout.layers), plan["dims"]):
+        attn = blk.attn()
+        owner = getattr(blk.block, layout.mlp_owner) if layout.mlp_owner else blk.block
+        _rotate_in([getattr(attn, n) for n in layout.attn_in], eye, dims["in"])
+        _rotate_out(getattr(attn, layout.attn_out), eye, dims["mid"])
+        _rotate_in([getattr(owner, n) for n in layout.mlp_in], eye, dims["mid"])
+        _rotate_out(getattr(owner, layout.mlp_out), eye, dims["out"])
+        blk.attn_shortcut.data = blk.attn_shortcut.data[:dims["in"], :dims["mid"]].contiguous()
+        blk.mlp_shortcut.data = blk.mlp_shortcut.data[:dims["mid"], :dims["out"]].contiguous()
+    return model
+
+
+def load_sliced(path, dtype: torch.dtype) -> nn.Module:
+    """Rebuild a sliced checkpoint: base model from the config, ``shape_like`` its plan, strict load."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config_dict = json.loads((Path(path) / "config.json").read_text())
+    config = sliced_config(config_dict)
+    model = shape_like(AutoModelForCausalLM.from_config(config, dtype=dtype), config_dict["spap_slicing"])
+    state = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(file))
+    model.load_state_dict(state, strict=True)
+    return model.eval()

@@ -109,3 +109,20 @@ def test_principal_directions_are_the_ones_kept(arch, windows, monkeypatch):
     monkeypatch.setattr(slicing, "pca", lambda X: torch.linalg.qr(torch.randn(X.shape[-1], X.shape[-1], generator=g,
                                                                               dtype=torch.float64))[0])
     assert by_pca < 0.7 * err(_model(arch))
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_a_sliced_checkpoint_reloads_exactly_and_stock_loading_refuses_it(arch, windows, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from spap_lib.slicing import load_sliced, mark_sliced, plan_of
+
+    model = _model(arch).float()
+    layout = fuse_norms(model)
+    dims = rotate_and_slice(model, layout, windows, 24)
+    model.save_pretrained(tmp_path)
+    mark_sliced(tmp_path, plan_of(model, layout, dims))
+    again = load_sliced(tmp_path, torch.float32)
+    torch.testing.assert_close(_logits(again, windows[:2]), _logits(model, windows[:2]), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="spap_sliced"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
