@@ -120,10 +120,19 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
 
         with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
             adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
-        check.plan = plan_sparsity(adapter, sparsity, round_to)
+        whole = algo is not None and algo.whole_model
+        if whole:  # SliceGPT: its own sparsity (a slicing fraction), resident models, no memory plan yet
+            if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+                raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+            if offload not in ("auto", "none"):
+                raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
+                                     f"not {offload!r}")
+            offload = "none"
+        else:
+            check.plan = plan_sparsity(adapter, sparsity, round_to)
         if algo is not None:
-            algo.prepare(adapter)  # e.g. FLAP's bias slot
-        if algo is not None and nsamples and seqlen:
+            algo.prepare(adapter)  # e.g. FLAP's bias slot, SliceGPT's architectures
+        if algo is not None and nsamples and seqlen and not whole:
             dev = pick_device(device)
             row, memory_gb = local_device(dev)
             spill_root = Path(spill_dir) if spill_dir else Path(tempfile.gettempdir())
@@ -220,12 +229,10 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("chunk", chunk, Spec(int, ge=1)))
     algo = get_method(method, **(hparams or {}))
+    if algo.whole_model:
+        return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
-    fits_context("seqlen", calib.windows.shape[1], context_length(loaded.model.config))
-    bad = nonfinite_parameters(loaded.model)
-    if bad:
-        raise NumericalError(f"the model's weights are not finite ({'; '.join(bad[:5])}): the checkpoint is "
-                             "damaged; spap cannot prune it. Reload or re-download the model.")
+    _check_prunable(loaded, calib)
     if algo.fits and calib.windows.numel() < plan.width:
         warnings.warn(
             f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
@@ -268,6 +275,50 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     }
 
 
+def _check_prunable(loaded: Loaded, calib: Calibration) -> None:
+    fits_context("seqlen", calib.windows.shape[1], context_length(loaded.model.config))
+    bad = nonfinite_parameters(loaded.model)
+    if bad:
+        raise NumericalError(f"the model's weights are not finite ({'; '.join(bad[:5])}): the checkpoint is "
+                             "damaged; spap cannot prune it. Reload or re-download the model.")
+
+
+def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsity: float, *, seed: int,
+                       batch_size: int, progress: bool) -> dict:
+    """A whole-model method (SliceGPT): its own sparsity definition, the parameters actually removed
+    counted from the real tensors, the same report keys as the MLP-channel methods."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    if loaded.offload != "none":
+        raise ParameterError(f"method {algo.name!r} needs the model resident (offload='none'), got "
+                             f"offload={loaded.offload!r}")
+    algo.prepare(loaded.adapter)
+    _check_prunable(loaded, calib)
+    before = param_counts(loaded)
+    width = loaded.adapter.width(loaded.adapter.layers()[0])
+    torch.manual_seed(seed)
+    with measured(loaded.device) as memory:
+        run = algo.prune_model(loaded, calib, sparsity, batch_size=batch_size, progress=progress)
+    after = param_counts(loaded)
+    return {
+        "method": algo.name, "hparams": algo.hparams(), "propagate": True, "seed": seed,
+        "calibration": calib.describe(),
+        "sparsity": {
+            "requested": sparsity,
+            "definition": f"{algo.name}: fraction of the residual-stream dimension sliced "
+                          f"({run['hidden_size']} -> {run['sliced_dim']})",
+            "counted_over": "parameters inside decoder layers (attention, MLP, norms, shortcut matrices); "
+                            "not embeddings, final norm or LM head",
+            "mlp_width": {"dense": width, "pruned": width}, "mlp_channel_ratio": 0.0,
+            "achieved_decoder": 1 - after["decoder"] / before["decoder"],
+            "achieved_total": 1 - after["total"] / before["total"],
+        },
+        "params": {"dense": before, "pruned": after},
+        "seconds": run["seconds"], "offload": loaded.offload, "precision": "float64", "memory": memory,
+        "layers": run["layers"], "slicing": run["plan"],
+    }
+
+
 def _sample(model, tokens: int = 32) -> torch.Tensor:
     """A fixed batch of token ids for the pre-save checks (any model, any tokenizer)."""
     vocab = model.get_input_embeddings().num_embeddings
@@ -294,8 +345,12 @@ def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) 
     from transformers import AutoModelForCausalLM
 
     from .models import load_nonuniform
+    from .slicing import load_sliced
 
-    if "spap_mlp_widths" in json.loads((path / "config.json").read_text()):
+    config = json.loads((path / "config.json").read_text())
+    if "spap_slicing" in config:
+        reloaded, how = load_sliced(path, model.dtype), "spap_lib.load"
+    elif "spap_mlp_widths" in config:
         reloaded, how = load_nonuniform(path, model.dtype), "spap_lib.load"
     else:
         reloaded, how = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype), "transformers"
@@ -363,13 +418,21 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     """
     fields = io.manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
-    plan = {"model": loaded.source.as_dict(), "kept_channels": report["kept_channels"]}
+    sliced = "slicing" in report  # a whole-model method's plan (SliceGPT): the shapes, not kept channels
+    plan = {"model": loaded.source.as_dict(),
+            **({"slicing": report["slicing"]} if sliced else {"kept_channels": report["kept_channels"]})}
     protect = _protected(loaded.source, **(protect or {}))
     io.check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # before the sample pass
     if loaded.offload == "none":
         sample = _sample(loaded.model)
         logits = finite_logits(loaded.model, sample)  # before anything is written
         check, write = (lambda tmp: check_reload(loaded.model, tmp, sample, logits)), None
+        if sliced:
+            from .slicing import mark_sliced
+
+            def write(tmp):
+                loaded.model.save_pretrained(tmp, safe_serialization=True)
+                mark_sliced(tmp, report["slicing"])
     else:  # offloaded: the same checks, one layer at a time
         sample = _sample(loaded.model).cpu()
         logits = _streamed_sample_logits(loaded.model, loaded.onloader, sample)

@@ -196,6 +196,8 @@ def check_checkpoint(path: Path) -> None:
         raise ValueError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
                          "spap prunes and evaluates decoder-only causal LMs")
     model_type = config.get("model_type")
+    if model_type == "spap_sliced":  # a SliceGPT checkpoint: its base architecture must be supported
+        model_type = (config.get("spap_slicing") or {}).get("base_model_type")
     if model_type not in supported_model_types():
         raise ValueError(f"{path} is a {model_type!r} model ({', '.join(archs) or 'no architectures listed'}): "
                          f"unsupported architecture; spap supports {', '.join(supported_model_types())}")
@@ -282,6 +284,10 @@ def read_config(source: ModelSource):
     from transformers import AutoConfig
 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if source.kind == "dir" and "spap_slicing" in (raw := json.loads((Path(source.path) / "config.json").read_text())):
+        from .slicing import sliced_config
+
+        return sliced_config(raw)
     with _readable(source):
         config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
     if getattr(config, "model_type", None) not in supported_model_types():
@@ -449,6 +455,10 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     dt = pick_dtype(dtype, dev)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     extra.update(_hub_kwargs(source))
+    raw = json.loads((Path(source.path) / "config.json").read_text()) if source.kind == "dir" else {}
+    if "spap_slicing" in raw and offload != "none":
+        raise ParameterError(f"{name} is a SliceGPT checkpoint (shortcut matrices between blocks): it loads "
+                             f"resident only, offload='none' (got {offload!r})")
     with _readable(source):
         if offload == "disk":
             model = _skeleton(source, dt)
@@ -457,7 +467,11 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
             onloader = DiskOffload(model, adapter.layers(), dev, store, dt, spill_dir)
             load_base(model, onloader, store, dt)
         else:
-            if source.kind == "dir" and "spap_mlp_widths" in json.loads((Path(source.path) / "config.json").read_text()):
+            if "spap_slicing" in raw:
+                from .slicing import load_sliced
+
+                model = load_sliced(source.path, dt)
+            elif "spap_mlp_widths" in raw:
                 model = load_nonuniform(source.path, dt)
             else:
                 model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, **extra, **_dequantize(source))

@@ -114,10 +114,18 @@ class SlicedBlock(nn.Module):
         self.attn_shortcut = nn.Parameter(eye.clone(), requires_grad=False)
         self.mlp_shortcut = nn.Parameter(eye.clone(), requires_grad=False)
 
+    def __getattr__(self, name: str):
+        """Everything else is the wrapped block's (``mlp``, ``fc1``, ``self_attn``...), so the MLP adapters
+        and parameter counts see a sliced block as the block it wraps."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("block"), name)
+
     def attn(self) -> nn.Module:
         return getattr(self.block, self.layout.attn)
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout.mlp_owner:
             return getattr(self.block, self.layout.mlp_owner)(x)
         b = self.block  # OPT: the MLP's Linear layers sit on the block
@@ -126,7 +134,7 @@ class SlicedBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
         h = self.attn()(hidden_states=getattr(self.block, self.layout.norm1)(hidden_states), **kwargs)[0]
         h = hidden_states @ self.attn_shortcut + h
-        return h @ self.mlp_shortcut + self.mlp(getattr(self.block, self.layout.norm2)(h))
+        return h @ self.mlp_shortcut + self._mlp(getattr(self.block, self.layout.norm2)(h))
 
 
 def _scale_inputs(linears: list[nn.Linear], norm: nn.Module) -> None:

@@ -126,3 +126,44 @@ def test_a_sliced_checkpoint_reloads_exactly_and_stock_loading_refuses_it(arch, 
     torch.testing.assert_close(_logits(again, windows[:2]), _logits(model, windows[:2]), rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="spap_sliced"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama", "qwen2"])
+def test_slicegpt_through_the_harness_prunes_saves_and_reloads(arch, windows, tiny_tokenizer, tmp_path):
+    """``sl.prune(..., "slicegpt")`` and ``sl.save``: both sparsities in the report, the real parameter
+    counts (shortcuts included, the untied head counted), a checkpoint ``sl.load`` rebuilds exactly."""
+    import spap_lib as sl
+    from spap_lib.adapters import get_adapter
+    from spap_lib.data import Calibration
+    from spap_lib.models import Loaded, ModelSource
+
+    model = _model(arch).float()
+    loaded = Loaded(model, tiny_tokenizer, get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "fixture", 10_000, 0)
+    report = sl.prune(loaded, calib, "slicegpt", 0.25, progress=False)
+    sp = report["sparsity"]
+    assert sp["requested"] == 0.25 and "32 -> 24" in sp["definition"]
+    decoder = sum(p.numel() for p in (model.model.decoder.layers if arch == "opt" else model.model.layers).parameters())
+    assert report["params"]["pruned"]["decoder"] == decoder
+    assert sp["achieved_decoder"] == pytest.approx(1 - decoder / report["params"]["dense"]["decoder"])
+    assert sp["achieved_decoder"] < 0.25  # the shortcut matrices are parameters too
+    out = sl.save(loaded, report, tmp_path / "sliced")
+    again = sl.load(str(out), device="cpu")
+    torch.testing.assert_close(_logits(again.model, windows[:2]), _logits(model, windows[:2]), rtol=0, atol=1e-5)
+    assert sl.param_counts(again) == report["params"]["pruned"]
+    with pytest.raises(ParameterError, match="loads resident only"):
+        sl.load(str(out), device="cpu", offload="disk")
+
+
+def test_slicegpt_in_the_grid_records_both_sparsities(tiny_tokenizer, windows, tmp_path):
+    from test_grid import _grid
+
+    from spap_lib.grid import Variant, run_grid
+
+    g = _grid("llama", tiny_tokenizer, windows)
+    table = run_grid(g, [Variant.parse("fasp"), Variant.parse("slicegpt")], [0.25], [16], 2, tmp_path / "t.csv")
+    row = table[table["label"] == "slicegpt"].iloc[0]
+    assert row["sparsity"] == 0.25 and 0 < row["achieved_sparsity"] < 0.25 and row["mlp_channel_ratio"] == 0
+    assert 1 < row["ppl"] < float("inf")
+    # every cell starts from the pristine dense model: FASP after SliceGPT is unaffected by it
+    assert table[table["label"] == "fasp"]["achieved_sparsity"].iloc[0] == pytest.approx(0.25, abs=0.02)

@@ -111,6 +111,9 @@ class Method:
     scores_dense: ClassVar[bool] = False
     # Gram accumulation and solve precision; methods that solve declare it as a hyperparameter.
     precision = "float64"
+    # Whether the method transforms the whole model (``prune_model``: SliceGPT slices the residual
+    # stream) instead of pruning each MLP's channels (``prune``: everything else).
+    whole_model: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -140,6 +143,11 @@ class Method:
         """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""
 
     def prune(self, problem: LayerProblem) -> PruneResult:
+        raise NotImplementedError
+
+    def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
+        """Whole-model methods (``whole_model``): transform ``loaded.model`` in place; return timings,
+        per-layer diagnostics and the plan as data (``plan``), what ``spap_lib.load`` re-applies."""
         raise NotImplementedError
 
     def hparams(self) -> dict:

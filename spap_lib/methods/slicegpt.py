@@ -1,0 +1,39 @@
+"""SliceGPT (Ashkboos et al., ICLR 2024) in the same harness: a whole-model method (``spap_lib.slicing``).
+
+``sparsity`` is SliceGPT's: the fraction of the residual-stream ("embedding") dimension sliced away in
+every block. The parameters actually removed (shortcut matrices added, the head untied from tied
+embeddings) are counted from the real tensors in every report, next to it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..checks import hp
+from .base import Method, register
+
+
+@register
+@dataclass
+class SliceGPT(Method):
+    name = "slicegpt"
+    whole_model: ClassVar[bool] = True
+    fits: ClassVar[bool] = False
+    round_to: int = hp(8, ge=1)  # kept dimension rounded down to a multiple (official --round-interval)
+
+    def prepare(self, adapter) -> None:
+        from ..slicing import layout_of
+
+        layout_of(adapter.model)  # an architecture it cannot rotate is refused before any work
+
+    def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
+        from ..slicing import fuse_norms, plan_of, rotate_and_slice, sliced_dim
+
+        t0 = time.perf_counter()
+        model = loaded.model
+        k = sliced_dim(model.config.hidden_size, sparsity, self.round_to)
+        layout = fuse_norms(model)
+        dims = rotate_and_slice(model, layout, calib.windows, k, batch_size=batch_size, device=loaded.device)
+        return {"seconds": time.perf_counter() - t0, "layers": dims, "plan": plan_of(model, layout, dims),
+                "sliced_dim": k, "hidden_size": model.config.hidden_size}
