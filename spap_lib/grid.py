@@ -176,7 +176,7 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
 
     def add(rows: list[dict]) -> None:
         nonlocal table
-        table = io.upsert_csv(path, pd.DataFrame(rows), KEY, table)
+        table = io.upsert_csv(path, pd.DataFrame(rows), KEY)  # re-read: another grid may write it too
 
     def probe(label, hparams, sparsity, seqlen, windows):
         calib = grid.calib.describe()

