@@ -150,6 +150,9 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         "achieved_sparsity": sp.get("achieved_decoder", 0.0), "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
         "uniform_width": not isinstance(widths, list), "propagate": report["propagate"] if report else None,
         "prune_seconds": report["seconds"] if report else 0.0,
+        # the process's peak during the prune (the grid also holds the pristine and dense copies)
+        "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
+        "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,
         "calib_split": calib["split"], "calib_source": calib["source"], "nsamples": calib["nsamples"],
         "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"],
         "hparams": json.dumps(hparams, sort_keys=True), "device": str(grid.loaded.device),
@@ -210,7 +213,7 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
                 print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             del pruned
-    return table
+    return pd.read_csv(path)  # as every reader sees it (types parsed once, whoever wrote which row)
 
 
 def record_run(results_csv: str | Path, **fields) -> Path:
