@@ -147,7 +147,8 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
     return {
         "model": grid.model_name, "method": method, "label": label, "sparsity": float(sparsity),
         "eval_seqlen": ppl["seqlen"], "eval_windows": windows if windows is not None else -1, "ppl": ppl["ppl"],
-        "achieved_sparsity": sp.get("achieved_decoder", 0.0), "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
+        "achieved_sparsity": sp.get("achieved_decoder", 0.0), "achieved_total": sp.get("achieved_total", 0.0),
+        "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
         "uniform_width": not isinstance(widths, list), "propagate": report["propagate"] if report else None,
         "prune_seconds": report["seconds"] if report else 0.0,
         # the process's peak during the prune (the grid also holds the pristine and dense copies)
