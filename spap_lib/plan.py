@@ -123,7 +123,8 @@ def _counts(config) -> dict:
             "layers": len(adapter.layers()), "width": adapter.width(layer),
             "hidden": config.hidden_size, "vocab": model.get_input_embeddings().weight.shape[0],
             "heads": config.num_attention_heads, "per_channel": adapter.params_per_channel(layer),
-            "in_proj": len(adapter.in_names)}  # 2 for gate/up (GLU), 1 for OPT's fc1
+            "in_proj": len(adapter.in_names),  # 2 for gate/up (GLU), 1 for OPT's fc1
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
 
 
 def local_device(device: torch.device) -> tuple[str, float | None]:
@@ -173,6 +174,12 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
                  ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
     algo = get_method(method, **(hparams or {}))
     config = config or shipped_config(model) or read_config(resolve(model))
+    if algo.whole_model:  # SliceGPT: an architecture it cannot rotate is refused here too
+        from types import SimpleNamespace
+
+        from .slicing import layout_of
+
+        layout_of(SimpleNamespace(config=config))
     args = dict(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
                 eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
                 chunk=chunk)
@@ -219,6 +226,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     if fits_ls:
         memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
         memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
+    if algo.whole_model:  # SliceGPT: the head untied from tied embeddings, float64 PCA Gram and one chunk
+        if c["tied"]:
+            memory["untied head copy"] = V * d * b
+        memory["PCA Gram (float64)"] = 2 * d * d * 8 + min(chunk, N) * d * 8
     memory["evaluation logits"] = eval_seqlen * V * b + min(LOSS_CHUNK, eval_seqlen) * V * 8  # + chunked loss
     calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
     eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
@@ -267,6 +278,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
             seconds["alternating rounds (Gram / error)"] = L * rounds * per_round / mm32
             if algo.name == "spap":
                 seconds["alternating rounds (solves)"] = L * rounds * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
+    elif algo.whole_model:  # SliceGPT: per block three float64 PCA Gram sums (d x d) and eigendecompositions
+        seconds["PCA (float64 Gram sums, eigh)"] = L * 3 * (2 * N * d * d + 9 * d**3) / chol
     else:
         seconds["channel statistics"] = L * 2 * c["in_proj"] * N * d * n / mm32
     eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
@@ -280,7 +293,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         # Layers read 5 times; hidden states written once and read (1 + passes) times per layer and pass.
         spilled = L * ((2 + passes) * N + 2 * 2 * eval_tokens) * d * b
         seconds["disk reads and writes (assumed 1.5 GB/s)"] = (5 * c["decoder"] * b + spilled) / (DISK_GB_S * GB)
-    fits = (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
+    fits = (offload == "none" or not algo.whole_model) and \
+           (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
            (host_memory_gb is None or peak_host / GB <= host_memory_gb) and \
            (disk_free_gb is None or disk_need / GB <= disk_free_gb)
     return Plan(model, algo.name, device, offload, peak_device / GB, peak_host / GB, fits, seconds,

@@ -167,3 +167,16 @@ def test_slicegpt_in_the_grid_records_both_sparsities(tiny_tokenizer, windows, t
     assert 1 < row["ppl"] < float("inf")
     # every cell starts from the pristine dense model: FASP after SliceGPT is unaffected by it
     assert table[table["label"] == "fasp"]["achieved_sparsity"].iloc[0] == pytest.approx(0.25, abs=0.02)
+
+
+def test_the_plan_knows_slicegpt():
+    """Memory: the head copy only where embeddings are tied, the float64 PCA Gram; resident only."""
+    from spap_lib.plan import plan
+
+    tied = plan("qwen2.5-0.5b", method="slicegpt", nsamples=8, seqlen=512, device="cpu-2core", offload="none")
+    untied = plan("llama-3.1-8b", method="slicegpt", nsamples=8, seqlen=512, device="cpu-2core", offload="none")
+    assert "untied head copy" in tied.memory_gb and "untied head copy" not in untied.memory_gb
+    assert untied.memory_gb["PCA Gram (float64)"] == pytest.approx((2 * 4096**2 * 8 + 4096 * 4096 * 8) / 2**30)
+    assert "PCA (float64 Gram sums, eigh)" in tied.seconds
+    assert not plan("qwen2.5-0.5b", method="slicegpt", nsamples=8, seqlen=512, device="cpu-2core",
+                       offload="disk").fits
