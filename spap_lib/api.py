@@ -217,13 +217,14 @@ def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_win
 def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
           hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool | None = None,
           progress: bool = True, inputs: tuple | None = None, stats: list | None = None,
-          round_to: int | None = None, chunk: int = 8192) -> dict:
+          round_to: int | None = None, chunk: int = 8192, resume_dir: str | Path | None = None) -> dict:
     """Prune ``loaded.model`` in place. Validates everything before any work is done.
 
     ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     ``chunk``: tokens per pass of the Gram and error sums (memory, not results: the plan counts
-    ``chunk·(n+2d)·4`` bytes for it).
+    ``chunk·(n+2d)·4`` bytes for it). ``resume_dir``: every finished layer is saved there, and a run
+    interrupted before the last layer resumes after the last saved one (``spap_lib.resume``).
     """
     check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
@@ -240,11 +241,19 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
             stacklevel=2,
         )
     before = param_counts(loaded)
+    checkpoint = None
+    if resume_dir is not None:
+        from .resume import LayerCheckpoint
+
+        checkpoint = LayerCheckpoint(resume_dir, {
+            "model": loaded.source.name, "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
+            "propagate": propagate, "calibration": calib.describe(), "seed": seed, "batch_size": batch_size,
+            "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to})
     torch.manual_seed(seed)
     with measured(loaded.device) as memory:
         run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
                           onloader=loaded.onloader, batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate,
-                          progress=progress, inputs=inputs, stats=stats)
+                          progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint)
     after = param_counts(loaded)
     widths = [len(k) for k in run["kept_channels"]]
     return {
@@ -266,7 +275,8 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
             "achieved_total": 1 - after["total"] / before["total"],
         },
         "params": {"dense": before, "pruned": after},
-        "seconds": run["seconds"],
+        "seconds": run["seconds"],  # of this run: a resumed one did not redo the first layers
+        "resumed_at_layer": run["resumed_at_layer"],
         "offload": loaded.offload,
         "precision": resolve_precision(algo.precision, loaded.device),  # "auto" resolved for this device
         "memory": memory,

@@ -17,6 +17,7 @@ provenance of each).
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,9 +98,12 @@ class Eval:
 
 class Grid:
     def __init__(self, model_name: str, loaded: Loaded, calib: Calibration, *, batch_size: int = 1,
-                 chunk: int = 8192, seed: int = 0, progress: bool = True):
+                 chunk: int = 8192, seed: int = 0, progress: bool = True, resume_root: str | Path | None = None):
+        """``resume_root``: each layer-by-layer cell saves its finished layers in a folder below it, so a
+        cell interrupted mid-way (hours on a CPU for SPAP on a 0.5B model) resumes at its next layer."""
         self.model_name, self.loaded, self.calib = model_name, loaded, calib
         self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
+        self.resume_root = Path(resume_root) if resume_root is not None else None
         # Every cell prunes a fresh copy of a pristine model kept in host memory: the device holds the
         # dense model (its perplexity, the layer-0 inputs) and one variant at a time, not three copies.
         self.pristine = loaded.copy(device="cpu")
@@ -129,9 +133,13 @@ class Grid:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
         stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
+        resume = None
+        if self.resume_root is not None:
+            cell = re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{variant.label}@{sparsity}")
+            resume = self.resume_root / re.sub(r"[^A-Za-z0-9._=-]+", "_", self.model_name) / cell
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
-                           stats=stats)
+                           stats=stats, resume_dir=resume)
         return pruned, report
 
     def perplexity(self, model, seqlen: int, windows: int | None) -> dict:

@@ -131,6 +131,7 @@ def prune_model(
     progress: bool = True,
     inputs: tuple | None = None,
     stats: list[ChannelStats] | None = None,
+    checkpoint=None,
 ) -> dict:
     """Prune every decoder layer's MLP in place.
 
@@ -142,6 +143,8 @@ def prune_model(
     ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
     Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
     every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
+    ``checkpoint`` (``resume.LayerCheckpoint``): layer-by-layer pruning saves every finished layer there
+    and resumes after the last one it finds (removed once the run completes).
     """
     propagate = method.propagates if propagate is None else propagate
     onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
@@ -156,6 +159,7 @@ def prune_model(
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress)
     removals = [plan.n_remove] * len(layers) if uniform else \
         method.removals(stats, plan.width, plan.n_remove * len(layers), _allocation_scores(adapter, method, onloader, stats))
+    resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
     if method.scores_dense and not propagate:
         per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)
     else:
@@ -164,10 +168,14 @@ def prune_model(
         hidden, kwargs = inputs
         carry = [hidden]
         del inputs, hidden
-        per_layer, kept = _prune_sequential(adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size,
-                                            chunk=chunk, seed=seed, propagate=propagate, progress=progress)
+        per_layer, kept, resumed = _prune_sequential(
+            adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size, chunk=chunk, seed=seed,
+            propagate=propagate, progress=progress, checkpoint=checkpoint)
     adapter.set_config_width([len(k) for k in kept])
-    return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept}
+    if checkpoint is not None:
+        checkpoint.clear()
+    return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept,
+            "resumed_at_layer": resumed}
 
 
 def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):
@@ -195,11 +203,22 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader,
 
 
 def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carry: list[torch.Tensor], kwargs: dict,
-                      removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool):
+                      removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool,
+                      checkpoint=None):
     hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
     precision = resolve_precision(method.precision, onloader.device)
-    per_layer, kept = [], []
-    for i in tqdm(range(len(adapter.layers())), desc=f"{method.name} layers", disable=not progress):
+    per_layer, kept, start = [], [], 0
+    state = checkpoint.load() if checkpoint is not None else None
+    if state is not None:  # layers 0..next-1 were finished by an earlier, interrupted run
+        start, per_layer, kept = state["next"], state["per_layer"], state["kept"]
+        for i in range(start):
+            with onloader.layer(i) as layer:
+                adapter.set_mlp(layer, checkpoint.layer(i, adapter.get_mlp(layer)))
+                onloader.finished(i)
+        del hidden
+        hidden = checkpoint.hidden(state, onloader.activations, batch_size)
+    for i in tqdm(range(start, len(adapter.layers())), desc=f"{method.name} layers", disable=not progress,
+                  initial=start, total=len(adapter.layers())):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         with onloader.layer(i) as layer:
             if onloader.mode == "disk":  # resident weights were checked once, before the run
@@ -229,4 +248,6 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})
         kept.append(result.keep.tolist())
-    return per_layer, kept
+        if checkpoint is not None:
+            checkpoint.save(i, result.mlp, hidden, batch_size, per_layer, kept)
+    return per_layer, kept, start

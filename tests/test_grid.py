@@ -114,3 +114,21 @@ def test_every_run_keeps_its_manifest(tmp_path):
     path = record_run(csv, models=["b"])
     runs = json.loads(path.read_text())["runs"]
     assert [r["models"] for r in runs] == [["old"], ["a"], ["b"]] and "git_revision" in runs[-1]
+
+
+def test_a_grid_cell_interrupted_mid_way_resumes_by_layer(tiny_tokenizer, windows, tmp_path, monkeypatch):
+    from spap_lib.methods.fasp import FASP
+
+    g = _grid("llama", tiny_tokenizer, windows)
+    g.resume_root = tmp_path / "progress"
+    real = FASP.prune
+    monkeypatch.setattr(FASP, "prune", lambda self, p: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if p.layer_index == 2 else real(self, p))
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(g, [Variant.parse("fasp")], [0.2], [16], 2, tmp_path / "t.csv")
+    saved = tmp_path / "progress" / "tiny-llama" / "fasp_0.2"
+    assert (saved / "state.json").is_file()
+    layers = []
+    monkeypatch.setattr(FASP, "prune", lambda self, p: layers.append(p.layer_index) or real(self, p))
+    table = run_grid(g, [Variant.parse("fasp")], [0.2], [16], 2, tmp_path / "t.csv")
+    assert layers == [2] and not saved.exists() and list(table["label"]) == ["dense", "fasp"]

@@ -1,0 +1,89 @@
+"""A sequential prune interrupted after some layers resumes where it stopped, with the same result."""
+import pytest
+import torch
+
+import spap_lib as sl
+from spap_lib.checks import ParameterError
+from spap_lib.data import Calibration
+from spap_lib.methods.spap import SPAP
+
+HP = {"K": 3, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
+
+
+def _calib(windows):
+    return Calibration(windows, torch.arange(len(windows)), "validation", "fixture", 10_000, 0)
+
+
+def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(windows, tmp_path, monkeypatch):
+    from conftest import tiny_model
+
+    from spap_lib.adapters import get_adapter
+    from spap_lib.models import Loaded, ModelSource
+
+    def loaded():
+        m = tiny_model("llama")
+        return Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
+
+    reference = loaded()
+    sl.prune(reference, _calib(windows), "spap", 0.3, hparams=HP, progress=False)
+
+    calls = []
+    real = SPAP.prune
+
+    def dies_at_layer_2(self, problem):
+        calls.append(problem.layer_index)
+        if problem.layer_index == 2:
+            raise KeyboardInterrupt  # the session ends
+        return real(self, problem)
+
+    run = loaded()
+    monkeypatch.setattr(SPAP, "prune", dies_at_layer_2)
+    with pytest.raises(KeyboardInterrupt):
+        sl.prune(run, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["hidden.bin", "layer_000.safetensors",
+                                                                 "layer_001.safetensors", "state.json"]
+    monkeypatch.setattr(SPAP, "prune", lambda self, problem: calls.append(problem.layer_index) or real(self, problem))
+    again = loaded()  # a new process: fresh dense weights
+    report = sl.prune(again, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+    assert calls == [0, 1, 2, 2] and report["resumed_at_layer"] == 2
+    assert report["kept_channels"] == sl.prune(loaded(), _calib(windows), "spap", 0.3, hparams=HP,
+                                               progress=False)["kept_channels"]
+    for a, b in zip(again.model.state_dict().values(), reference.model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not (tmp_path / "r").exists()  # finished: the layers are in the model
+
+
+def test_another_runs_folder_is_refused(windows, tmp_path, monkeypatch):
+    from conftest import tiny_model
+
+    from spap_lib.adapters import get_adapter
+    from spap_lib.models import Loaded, ModelSource
+
+    m = tiny_model("llama")
+    run = Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
+    real = SPAP.prune
+    monkeypatch.setattr(SPAP, "prune", lambda self, problem: (_ for _ in ()).throw(KeyboardInterrupt)
+                        if problem.layer_index == 1 else real(self, problem))
+    with pytest.raises(KeyboardInterrupt):
+        sl.prune(run, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+    m = tiny_model("llama")
+    fresh = Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
+    with pytest.raises(ParameterError, match=r"holds the layers of another run \(differs in n_remove\)"):
+        sl.prune(fresh, _calib(windows), "spap", 0.2, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+
+
+def test_saved_activations_go_back_batch_by_batch_into_a_spill_file(tmp_path):
+    """offload="disk" keeps hidden states in spill files: they are written and read a batch at a time."""
+    from spap_lib.adapters import MLP
+    from spap_lib.onload import SpilledActivations
+    from spap_lib.resume import LayerCheckpoint
+
+    hidden = torch.randn(5, 7, 3).to(torch.bfloat16)
+    mlp = MLP([torch.randn(4, 3)], [None], torch.randn(3, 4), torch.randn(3), torch.relu, glu=False)
+    ck = LayerCheckpoint(tmp_path / "r", {"run": 1})
+    ck.save(0, mlp, hidden, 2, [{"layer": 0}], [[0, 1, 2, 3]])
+    state = ck.load()
+    back = ck.hidden(state, lambda shape, dtype: SpilledActivations(tmp_path, shape, dtype), 2)
+    assert torch.equal(back[0:5], hidden) and state["next"] == 1
+    again = ck.layer(0, mlp)
+    assert torch.equal(again.W_out, mlp.W_out) and torch.equal(again.b_out, mlp.b_out) and again.b_in == [None]
