@@ -59,7 +59,11 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
         part = table[table["model"] == model]
         pruned = part[part["label"] != "dense"]
         present = [lab for lab in labels if lab in set(pruned["label"])]
-        sns.lineplot(data=pruned, x="sparsity", y="ppl", hue="label", style="label", markers=True, dashes=False,
+        # x: the decoder parameters each cell actually removed (SliceGPT's slicing fraction is not that)
+        x = "achieved_sparsity" if "achieved_sparsity" in pruned and (pruned["achieved_sparsity"] != "").all() \
+            else "sparsity"
+        pruned = pruned.assign(**{x: pd.to_numeric(pruned[x])})
+        sns.lineplot(data=pruned, x=x, y="ppl", hue="label", style="label", markers=True, dashes=False,
                      hue_order=present, style_order=present, palette=palette, ax=ax, legend="brief")
         dense = part[part["label"] == "dense"]["ppl"]
         if len(dense):
@@ -72,7 +76,7 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
             ax.set_ylim(top=top)
         ticks = sorted(set(pruned["sparsity"]))
         ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
-        ax.set_xlabel("sparsity (share of decoder-layer parameters)")
+        ax.set_xlabel("decoder-layer parameters removed" + (" (measured)" if x == "achieved_sparsity" else ""))
         windows, calib = int(part["eval_windows"].iloc[0]), part["calib"].iloc[0]
         ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {'whole test' if windows < 0 else f'{windows} windows'} (log)")
         ax.set_title(f"{model}" + (f" (calibration {calib})" if calib else ""))
