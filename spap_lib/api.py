@@ -224,7 +224,9 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     ``chunk``: tokens per pass of the Gram and error sums (memory, not results: the plan counts
     ``chunk·(n+2d)·4`` bytes for it). ``resume_dir``: every finished layer is saved there, and a run
-    interrupted before the last layer resumes after the last saved one (``spap_lib.resume``).
+    interrupted before the last layer resumes after the last saved one (``spap_lib.resume``); it serves
+    the layer-by-layer prunes (SPAP, its ablations, FASP): the one-pass score methods and SliceGPT
+    are minutes where SPAP is hours, and start over.
     """
     check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),

@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
+    p.add_argument("--resume-dir", default=None, help="save every finished layer here; rerunning the same command "
+                   "resumes after the last one (hours-long prunes); removed when the prune completes")
     _common(p)
     _eval_args(p)
 
@@ -83,7 +85,8 @@ def _prune(a) -> dict:
     ppl = {}
     if not a.no_eval:
         ppl["dense"] = dense_perplexity(loaded, a.model, a.eval_seqlen, a.eval_windows)
-    report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to)
+    report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to,
+                      resume_dir=a.resume_dir)
     if not a.no_eval:
         ppl["pruned"] = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows,
                                       onloader=loaded.onloader)
