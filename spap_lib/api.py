@@ -111,6 +111,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     config = read_config(source)
     if sparsity is not None and getattr(config, "spap_mlp_widths", None):
         raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
+    if sparsity is not None and getattr(config, "spap_slicing", None):
+        raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
     context = context_length(config)
     fits_context("seqlen", seqlen, context, model)
     fits_context("eval_seqlen", eval_seqlen, context, model)
@@ -217,7 +219,8 @@ def dense_perplexity(loaded: Loaded, model_name: str, eval_seqlen: int, eval_win
 def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: float = 0.2, *,
           hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool | None = None,
           progress: bool = True, inputs: tuple | None = None, stats: list | None = None,
-          round_to: int | None = None, chunk: int = 8192, resume_dir: str | Path | None = None) -> dict:
+          round_to: int | None = None, chunk: int = 8192, resume_dir: str | Path | None = None,
+          clear_resume: bool = True) -> dict:
     """Prune ``loaded.model`` in place. Validates everything before any work is done.
 
     ``propagate=None`` uses the method's own setting; ``inputs``/``stats`` let a grid share the
@@ -226,13 +229,18 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     ``chunk·(n+2d)·4`` bytes for it). ``resume_dir``: every finished layer is saved there, and a run
     interrupted before the last layer resumes after the last saved one (``spap_lib.resume``); it serves
     the layer-by-layer prunes (SPAP, its ablations, FASP): the one-pass score methods and SliceGPT
-    are minutes where SPAP is hours, and start over.
+    are minutes where SPAP is hours, and start over. ``clear_resume=False`` keeps the finished layers
+    there (the grid clears them once the cell's rows are written).
     """
     check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("chunk", chunk, Spec(int, ge=1)))
     algo = get_method(method, **(hparams or {}))
     if algo.whole_model:
+        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir)) if v is not None]
+        if given:
+            raise ParameterError(f"method {method!r} does not take {', '.join(given)} (it prunes the whole model at "
+                                 f"once; its kept dimension's multiple is its own hyperparameter round_to)")
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
@@ -247,10 +255,13 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     if resume_dir is not None:
         from .resume import LayerCheckpoint
 
+        from .resume import code_hash
+
         checkpoint = LayerCheckpoint(resume_dir, {
             "model": loaded.source.name, "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
             "propagate": propagate, "calibration": calib.describe(), "seed": seed, "batch_size": batch_size,
-            "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to})
+            "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to,
+            "code": code_hash(type(algo))}, clear_when_done=clear_resume)
     torch.manual_seed(seed)
     with measured(loaded.device) as memory:
         run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,

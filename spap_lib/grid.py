@@ -16,6 +16,7 @@ provenance of each).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import time
@@ -33,6 +34,7 @@ from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method
 from .models import Loaded
 from .pipeline import dense_stats, needs_dense_stats
+from .resume import LayerCheckpoint
 
 # Columns that identify a cell: a row with the same values is not recomputed.
 KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
@@ -73,8 +75,9 @@ class Eval:
     sparsities: tuple[float, ...] = ()
 
     @classmethod
-    def parse(cls, spec: dict, labels: list[str] | None = None) -> "Eval":
-        """``spec`` from a config; with ``labels`` (the grid's variants), a label it names must be one."""
+    def parse(cls, spec: dict, labels: list[str] | None = None, sparsities: list[float] | None = None) -> "Eval":
+        """``spec`` from a config; with ``labels`` / ``sparsities`` (the grid's), the ones it names must be
+        among them (a typo would silently match no cell)."""
         unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
         if unknown or "seqlen" not in spec:
             raise ValueError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
@@ -87,6 +90,11 @@ class Eval:
         if labels is not None and stray:
             raise ValueError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
                              f"(its labels: dense, {', '.join(labels)})")
+        odd = [x for x in spec.get("sparsities") or () if sparsities is not None
+               and not any(abs(float(x) - y) < 1e-9 for y in sparsities)]
+        if odd:
+            raise ValueError(f"extra evaluation {spec!r} names sparsities {odd} that the grid does not run "
+                             f"(its sparsities: {sparsities})")
         return cls(spec["seqlen"], spec.get("windows"), tuple(spec.get("labels") or ()),
                    tuple(float(x) for x in spec.get("sparsities") or ()))
 
@@ -133,14 +141,20 @@ class Grid:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
         stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
-        resume = None
-        if self.resume_root is not None:
-            cell = re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{variant.label}@{sparsity}")
-            resume = self.resume_root / re.sub(r"[^A-Za-z0-9._=-]+", "_", self.model_name) / cell
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
-                           stats=stats, resume_dir=resume)
+                           stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
         return pruned, report
+
+    def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
+        """Where a layer-by-layer cell keeps its finished layers: one folder per model, variant (with a
+        hash of its hyperparameters), sparsity, calibration size and seed. None for whole-model methods."""
+        if self.resume_root is None or get_method(variant.method, **variant.hparams).whole_model:
+            return None
+        n, seqlen = self.calib.windows.shape
+        tag = hashlib.sha256(json.dumps(variant.hparams, sort_keys=True).encode()).hexdigest()[:8]
+        cell = re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}")
+        return self.resume_root / re.sub(r"[^A-Za-z0-9._=-]+", "_", self.model_name) / cell
 
     def perplexity(self, model, seqlen: int, windows: int | None) -> dict:
         ids, source = self.eval_ids()
@@ -216,13 +230,16 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
             except Unsupported as err:  # refused before any work: say so, keep the grid going
                 print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
                 continue
-            add([_row(grid, v.label, v.method, v.hparams, sparsity, report,
-                      grid.perplexity(pruned.model, s, w), w) for s, w in todo])
+            for s, w in todo:  # row by row: a long evaluation interrupted keeps the rows already scored
+                add([_row(grid, v.label, v.method, v.hparams, sparsity, report, grid.perplexity(pruned.model, s, w), w)])
+            layers_dir = grid.resume_dir(v, sparsity)
+            if layers_dir is not None:  # the rows are written: the cell's finished layers are not needed any more
+                LayerCheckpoint(layers_dir, {}).clear()
             if grid.progress:
                 print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             del pruned
-    return pd.read_csv(path)  # as every reader sees it (types parsed once, whoever wrote which row)
+    return pd.read_csv(path)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
 
 
 def record_run(results_csv: str | Path, **fields) -> Path:
@@ -232,7 +249,8 @@ def record_run(results_csv: str | Path, **fields) -> Path:
     the file keeps every run's manifest under ``runs`` instead of the last run's only.
     """
     path = Path(results_csv).with_suffix(".manifest.json")
-    old = json.loads(path.read_text()) if path.is_file() else {"runs": []}
-    runs = old["runs"] if "runs" in old else [old]  # a file written before the log: its one run
-    io.write_json_atomic(path, {"runs": [*runs, io.manifest(**fields)]})
+    with io.locked(path):  # two grids starting together each keep their entry
+        old = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+        runs = old["runs"] if "runs" in old else [old]  # a file written before the log: its one run
+        io.write_json_atomic(path, {"runs": [*runs, io.manifest(**fields)]})
     return path

@@ -172,7 +172,7 @@ def prune_model(
             adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size, chunk=chunk, seed=seed,
             propagate=propagate, progress=progress, checkpoint=checkpoint)
     adapter.set_config_width([len(k) for k in kept])
-    if checkpoint is not None:
+    if checkpoint is not None and checkpoint.clear_when_done:
         checkpoint.clear()
     return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept,
             "resumed_at_layer": resumed}

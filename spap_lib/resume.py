@@ -2,8 +2,10 @@
 resumes at the first layer it had not finished, with the same result.
 
 After every layer the folder receives that layer's pruned MLP tensors (``layer_NNN.safetensors``) and
-the calibration activations the next layer starts from (``hidden.bin``, written batch by batch, so a
+the calibration activations the next layer starts from (``hidden_NNN.bin``, written batch by batch, so a
 spilled store never has to fit in memory); ``state.json``, replaced atomically last, is the commit point.
+The fingerprint includes a hash of the method's and the numerics' source, so layers pruned by other
+code are not reused.
 A folder made by a different run (model, method, hyperparameters, budget, calibration, device) is
 refused, naming what differs, rather than mixed into this one. Resuming gives the same weights: each
 layer's randomness is seeded by its index, and the activations are stored exactly.
@@ -23,9 +25,18 @@ from .io import write_json_atomic
 STATE = "state.json"
 
 
+def _ours(name: str) -> bool:
+    return name == STATE or name.startswith((".", "layer_", "hidden_")) and name.endswith((".safetensors", ".bin", ".tmp"))
+
+
 class LayerCheckpoint:
-    def __init__(self, folder: str | os.PathLike, fingerprint: dict):
+    def __init__(self, folder: str | os.PathLike, fingerprint: dict, clear_when_done: bool = True):
         self.folder, self.fingerprint = Path(folder), json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        self.clear_when_done = clear_when_done
+        # Only a folder of ours is ever written or cleared: never a user's directory given by mistake.
+        if self.folder.is_dir() and not (self.folder / STATE).is_file() and any(self.folder.iterdir()):
+            raise ParameterError(f"resume folder {self.folder} is not empty and holds no {STATE}: give a new or "
+                                 f"empty folder (spap writes layer files there and removes them when done)")
 
     def load(self) -> dict | None:
         """The finished layers' state, or None if nothing was finished; refuses another run's folder."""
@@ -53,14 +64,20 @@ class LayerCheckpoint:
         tmp = self.folder / f".layer_{i:03d}.tmp"
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp))
         os.replace(tmp, self.folder / f"layer_{i:03d}.safetensors")
-        tmp = self.folder / ".hidden.tmp"
+        # The next layer's inputs under their own name: until state.json says so, the previous file stays
+        # the one a resume reads (a kill between the two writes cannot pair layer i with i+1's inputs).
+        name = f"hidden_{i + 1:03d}.bin"
+        tmp = self.folder / f".{name}.tmp"
         with open(tmp, "wb") as f:  # batch by batch: a spilled store is never read whole
             for s in range(0, hidden.shape[0], batch_size):
                 f.write(hidden[s:s + batch_size].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-        os.replace(tmp, self.folder / "hidden.bin")
+        os.replace(tmp, self.folder / name)
         write_json_atomic(self.folder / STATE, {
             "fingerprint": self.fingerprint, "next": i + 1, "per_layer": per_layer, "kept": kept,
-            "hidden": {"shape": list(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}})
+            "hidden": {"file": name, "shape": list(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}})
+        for old in self.folder.glob("hidden_*.bin"):  # committed: earlier inputs are not needed any more
+            if old.name != name:
+                old.unlink()
 
     def layer(self, i: int, like: MLP) -> MLP:
         """Layer ``i``'s pruned MLP (activation and layout from ``like``, the dense one)."""
@@ -76,7 +93,7 @@ class LayerCheckpoint:
         shape, dtype = state["hidden"]["shape"], getattr(torch, state["hidden"]["dtype"])
         out = store(tuple(shape), dtype)
         row = int(torch.tensor([], dtype=dtype).element_size() * torch.Size(shape[1:]).numel())
-        with open(self.folder / "hidden.bin", "rb") as f:
+        with open(self.folder / state["hidden"]["file"], "rb") as f:
             for s in range(0, shape[0], batch_size):
                 n = min(batch_size, shape[0] - s)
                 buf = bytearray(f.read(n * row))
@@ -84,7 +101,25 @@ class LayerCheckpoint:
         return out
 
     def clear(self) -> None:
-        """The run finished: its layers are in the model, the folder goes."""
-        import shutil
+        """The run finished: its layers are in the model; our files go, then the folder if it is empty."""
+        if not self.folder.is_dir():
+            return
+        for path in self.folder.iterdir():
+            if _ours(path.name):
+                path.unlink()
+        if not any(self.folder.iterdir()):
+            self.folder.rmdir()
 
-        shutil.rmtree(self.folder, ignore_errors=True)
+
+def code_hash(method_cls) -> str:
+    """A short hash of the source that decides a layer's result: the method's module, the numerics and
+    the pipeline (layers pruned by other code are not reused; edits elsewhere do not invalidate)."""
+    import hashlib
+    import inspect
+
+    from . import linalg, pipeline
+
+    digest = hashlib.sha256()
+    for module in (inspect.getmodule(method_cls), linalg, pipeline):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]

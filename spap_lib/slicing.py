@@ -211,6 +211,14 @@ def pca(X: torch.Tensor) -> torch.Tensor:
     return vectors[:, torch.argsort(values, descending=True)]
 
 
+def _project(X: torch.Tensor, Qk: torch.Tensor) -> torch.Tensor:
+    """``X Q_k`` in float64, a window at a time (no float64 copy of all the activations), in X's dtype."""
+    out = X.new_empty(*X.shape[:-1], Qk.shape[1])
+    for s in range(X.shape[0]):
+        out[s] = (X[s].double() @ Qk).to(X.dtype)
+    return out
+
+
 def sliced_dim(hidden: int, sparsity: float, round_to: int) -> int:
     """``⌊(1 − s)·d⌋`` rounded down to a multiple of ``round_to`` (at least ``round_to``)."""
     k = int((1 - sparsity) * hidden)
@@ -248,7 +256,7 @@ def rotate_and_slice(model: nn.Module, layout: Layout, windows: torch.Tensor, k:
         E = _get(model, path)
         E.weight.data = (E.weight.double() @ Q[:, :k]).to(E.weight.dtype).contiguous()
         E.embedding_dim = k
-    X = (X.double() @ Q[:, :k]).to(X.dtype)
+    X = _project(X, Q[:, :k])
     dims = []
     for i, blk in enumerate(layers):
         k_out = k if i < len(layers) - 1 else d  # the head reads the full stream (rotated, not sliced)
@@ -273,7 +281,7 @@ def rotate_and_slice(model: nn.Module, layout: Layout, windows: torch.Tensor, k:
         Q = pca(Y)
         blk.mlp_shortcut.data = (shortcut @ Q[:, :k_out]).to(blk.mlp_shortcut.dtype)
         _rotate_out(getattr(owner, layout.mlp_out), Q, k_out)
-        X = (Y.double() @ Q[:, :k_out]).to(Y.dtype)
+        X = _project(Y, Q[:, :k_out])
         del Y
         dims.append({"in": k, "mid": k, "out": k_out})
     _rotate_in([model.lm_head], Q, d)

@@ -126,7 +126,8 @@ def test_a_grid_cell_interrupted_mid_way_resumes_by_layer(tiny_tokenizer, window
                         if p.layer_index == 2 else real(self, p))
     with pytest.raises(KeyboardInterrupt):
         run_grid(g, [Variant.parse("fasp")], [0.2], [16], 2, tmp_path / "t.csv")
-    saved = tmp_path / "progress" / "tiny-llama" / "fasp_0.2"
+    saved = g.resume_dir(Variant.parse("fasp"), 0.2)
+    assert saved.parent == tmp_path / "progress" / "tiny-llama" and saved.name.startswith("fasp_0.2-4x24-seed0-")
     assert (saved / "state.json").is_file()
     layers = []
     monkeypatch.setattr(FASP, "prune", lambda self, p: layers.append(p.layer_index) or real(self, p))

@@ -40,7 +40,7 @@ def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(wi
     monkeypatch.setattr(SPAP, "prune", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
         sl.prune(run, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["hidden.bin", "layer_000.safetensors",
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["hidden_002.bin", "layer_000.safetensors",
                                                                  "layer_001.safetensors", "state.json"]
     monkeypatch.setattr(SPAP, "prune", lambda self, problem: calls.append(problem.layer_index) or real(self, problem))
     again = loaded()  # a new process: fresh dense weights
@@ -87,3 +87,36 @@ def test_saved_activations_go_back_batch_by_batch_into_a_spill_file(tmp_path):
     assert torch.equal(back[0:5], hidden) and state["next"] == 1
     again = ck.layer(0, mlp)
     assert torch.equal(again.W_out, mlp.W_out) and torch.equal(again.b_out, mlp.b_out) and again.b_in == [None]
+
+
+def test_a_kill_between_the_activations_and_the_commit_resumes_on_the_committed_ones(tmp_path, monkeypatch):
+    """The next layer's inputs are written before state.json: a kill in between must leave the resume
+    reading the inputs that match the committed layer, not the new ones."""
+    import spap_lib.resume as resume
+    from spap_lib.adapters import MLP
+
+    mlp = MLP([torch.randn(4, 3)], [None], torch.randn(3, 4), None, torch.relu, glu=False)
+    ck = resume.LayerCheckpoint(tmp_path / "r", {"run": 1})
+    h1, h2 = torch.randn(4, 5, 3), torch.randn(4, 5, 3)
+    ck.save(0, mlp, h1, 2, [{"layer": 0}], [[0, 1, 2, 3]])
+    monkeypatch.setattr(resume, "write_json_atomic", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(1, mlp, h2, 2, [{"layer": 0}, {"layer": 1}], [[0, 1, 2, 3]] * 2)
+    monkeypatch.undo()
+    state = ck.load()
+    assert state["next"] == 1
+    assert torch.equal(ck.hidden(state, lambda shape, dtype: torch.empty(shape, dtype=dtype), 2), h1)
+
+
+def test_a_users_folder_is_never_used_or_cleared(tmp_path, windows):
+    from spap_lib.resume import LayerCheckpoint
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ParameterError, match="is not empty and holds no state.json"):
+        LayerCheckpoint(tmp_path, {"run": 1})
+    ours = LayerCheckpoint(tmp_path / "r", {"run": 1})
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "state.json").write_text("{}")
+    (tmp_path / "r" / "keep.txt").write_text("someone else's")
+    ours.clear()
+    assert [p.name for p in (tmp_path / "r").iterdir()] == ["keep.txt"]
