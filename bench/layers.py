@@ -11,7 +11,8 @@ set, seed 0) and for held-out windows (seed 1, every window overlapping a fit wi
   method (``penalty``, the default top-λ rule, and ``penalty_previous``, Alg. 1's printed threshold
   rule) and by FASP (``fasp``); how many of each set's channels differ from the penalty method's, and
   the held-out error of every mask refitted the same way (least squares on the kept columns, the
-  refit ``spap_no_update`` and FASP share).
+  refit ``spap_no_update`` and FASP share), and of FASP's mask with its dense weights (no refit: whether
+  the refit helps on held-out tokens or overfits the calibration set).
 
     python bench/layers.py --model smollm2-135m --layers 2,15,28 --out bench/results/layers_smollm2.csv
 """
@@ -67,11 +68,12 @@ def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
         keep, _, _ = penalty_method(W0, H, lam, threshold=rule, **kw)
         removed[name] = set(range(n)) - set(keep.tolist())
     rows = []
-    for name, gone in removed.items():
+    for name, gone in [*removed.items(), ("fasp (dense weights, no refit)", removed["fasp"])]:
         keep = torch.tensor(sorted(set(range(n)) - gone), dtype=torch.long)
         cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
         mlp = dense.select(keep)
-        set_out(mlp, lstsq_columns(W0 @ H, H, cols, spap.damp * mean_diag(H[:n, :n])))
+        if "no refit" not in name:  # the refit's own value: held-out error with and without it
+            set_out(mlp, lstsq_columns(W0 @ H, H, cols, spap.damp * mean_diag(H[:n, :n])))
         rows.append({"kind": "mask", "label": name, "differs_from_penalty": len(gone - removed["penalty"]),
                      "differs_from_first": len(gone - removed["first"]), "removed": lam,
                      "heldout_rel_error": rel_error(mlp, X_held, Y_held),
