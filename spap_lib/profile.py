@@ -33,13 +33,21 @@ class Variant:
     kept_channels: list[list[int]] | None = None
     sparsity: float = 0.0  # achieved share of the decoder's parameters removed
     round_to: int | None = None
+    slicing: dict | None = None  # a SliceGPT variant: the slicing plan (``slicing.plan_for``) instead
+
+    @property
+    def method(self) -> str | None:
+        return "slicegpt" if self.slicing is not None else None if self.kept_channels is None else "channels"
 
 
 def shape_variants(model: str, sparsities: list[float], round_tos: list[int | None], method: str = "magnitude", *,
-                   device: str = "auto", progress: bool = False) -> dict[str, Variant]:
-    """``{"dense": ..., "20%": ..., "20% r64": ...}``: the dense model and its pruned shapes, each pruned
-    by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in seconds, no
-    activations needed) from one load, on a copy per variant; only the kept channels are returned."""
+                   device: str = "auto", progress: bool = False, slicing: list[float] = ()) -> dict[str, Variant]:
+    """``{"dense": ..., "20%": ..., "20% r64": ..., "slicegpt 20%": ...}``: the dense model and its pruned
+    shapes, each pruned by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in
+    seconds, no activations needed) from one load, on a copy per variant; only the kept channels are
+    returned. ``slicing``: SliceGPT's slicing fractions, as plans (its shapes, shortcut matrices included)."""
+    from .slicing import plan_for, shape_like
+
     from .api import prune
     from .data import calibration_windows
     from .models import load
@@ -58,6 +66,14 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
             label = f"{s:.0%}" + (f" r{r}" if r else "")
             variants[label] = Variant(model, report["kept_channels"], report["sparsity"]["achieved_decoder"], r)
             del pruned
+    dense_params = loaded.adapter.decoder_params()
+    for s in slicing:
+        plan = plan_for(loaded.model.config, s)
+        sliced = loaded.copy()
+        shape_like(sliced.model, plan)
+        variants[f"slicegpt {s:.0%}"] = Variant(model, None, 1 - sliced.adapter.decoder_params() / dense_params,
+                                                slicing=plan)
+        del sliced
     device = loaded.device
     del loaded
     _free(device)  # the profiling processes need this memory, not our caches
@@ -126,6 +142,11 @@ def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens
         if variant.kept_channels is not None:
             loaded.adapter.keep_channels(variant.kept_channels)
             _free(loaded.device)  # the dense weights of the removed channels
+        elif variant.slicing is not None:
+            from .slicing import shape_like
+
+            shape_like(loaded.model, variant.slicing)  # SliceGPT's shapes, shortcuts included
+            _free(loaded.device)
         gen = torch.Generator().manual_seed(0)
         vocab = loaded.model.get_input_embeddings().weight.shape[0]
         prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(loaded.device)
@@ -184,7 +205,8 @@ def summary_table(model: str, variant_method: str, variants: dict[str, Variant],
     rows = []
     for label, v in variants.items():
         res = results[label]
-        rows.append({"model": model, "method": "dense" if v.kept_channels is None else variant_method,
+        kind = v.method
+        rows.append({"model": model, "method": {None: "dense", "channels": variant_method}.get(kind, kind),
                      "variant": label, "sparsity": v.sparsity, "round_to": v.round_to or 0, "device": res["device"],
                      "threads": res["threads"], "new_tokens": new_tokens, "seconds_median": res["seconds_median"],
                      "seconds_min": res["seconds_min"], "seconds_max": res["seconds_max"], "runs": res["runs"],

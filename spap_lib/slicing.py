@@ -326,7 +326,7 @@ def shape_like(model: nn.Module, plan: dict) -> nn.Module:
     """Give a freshly built base model the sliced structure of ``plan`` (norms fused to ``RMSN``, blocks
     wrapped with shortcuts, every Linear at its sliced shape), ready for ``load_state_dict``."""
     layout = fuse_norms(model)
-    eye = torch.eye(plan["hidden_size"], dtype=torch.float64)
+    eye = torch.eye(plan["hidden_size"], dtype=torch.float64, device=next(model.parameters()).device)
     for path in layout.embeddings:
         E = _get(model, path)
         E.weight.data = E.weight.data[:, :plan["embedding_dim"]].contiguous()
@@ -341,6 +341,19 @@ def shape_like(model: nn.Module, plan: dict) -> nn.Module:
         blk.attn_shortcut.data = blk.attn_shortcut.data[:dims["in"], :dims["mid"]].contiguous()
         blk.mlp_shortcut.data = blk.mlp_shortcut.data[:dims["mid"], :dims["out"]].contiguous()
     return model
+
+
+def plan_for(config, sparsity: float, round_to: int = 8) -> dict:
+    """The slicing plan of ``sparsity`` from the config alone: the shapes SliceGPT gives (what a speed
+    profile needs; the weights come from the data)."""
+    from types import SimpleNamespace
+
+    layout = layout_of(SimpleNamespace(config=config))
+    d, layers = config.hidden_size, config.num_hidden_layers
+    k = sliced_dim(d, sparsity, round_to)
+    return {"base_model_type": config.model_type, "hidden_size": d, "embedding_dim": k,
+            "dims": [{"in": k, "mid": k, "out": k if i < layers - 1 else d} for i in range(layers)],
+            "head_bias": layout.centred}
 
 
 def load_sliced(path, dtype: torch.dtype) -> nn.Module:

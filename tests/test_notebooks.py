@@ -102,12 +102,14 @@ def test_evaluate_dense_and_pruned(smoke_run):
 
 @pytest.mark.slow
 def test_profile_dense_and_pruned_shapes(smoke_run):
-    """05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64)."""
+    """05: generation time and peak memory, dense vs 20% (and 20% with widths rounded to 64, and SliceGPT's
+    shapes at 20% slicing)."""
     import pandas as pd
 
     run = smoke_run
     prof = pd.read_csv(run / "profile.csv")
-    assert list(prof["variant"]) == ["dense", "20%", "20% r64"]
+    assert list(prof["variant"]) == ["dense", "20%", "20% r64", "slicegpt 20%"]
+    assert list(prof["method"]) == ["dense", "magnitude", "magnitude", "slicegpt"]
     assert (prof["seconds_median"] > 0).all() and (prof["peak_mem_mb"] > 0).all()
     assert (prof["runs"] == 2).all() and (prof["seconds_min"] <= prof["seconds_max"]).all()
     assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:] > 1.1).all()

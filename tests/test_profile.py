@@ -52,3 +52,21 @@ def test_kept_channels_reapplied_to_dense_weights_give_the_pruned_model(arch, wi
         torch.testing.assert_close(dense(windows).logits, pruned(windows).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="kept_channels lists 1 layers, the model has 3"):
         sl.get_adapter(dense).keep_channels(run["kept_channels"][:1])
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_a_slicegpt_variant_has_the_shapes_slicegpt_gives(arch, windows):
+    """05 profiles SliceGPT from its plan alone (config + slicing fraction): the same shapes, hence the
+    same parameter count and bytes per token, as a real SliceGPT prune."""
+    import torch
+    from conftest import tiny_model
+
+    from spap_lib.slicing import fuse_norms, plan_for, rotate_and_slice, shape_like, sliced_dim
+
+    real = tiny_model(arch)
+    rotate_and_slice(real, fuse_norms(real), windows, sliced_dim(32, 0.25, 8))
+    shaped = shape_like(tiny_model(arch), plan_for(tiny_model(arch).config, 0.25))
+    assert {n: p.shape for n, p in shaped.named_parameters()} == {n: p.shape for n, p in real.named_parameters()}
+    assert prof.weights_read_per_token(shaped) == prof.weights_read_per_token(real)
+    with torch.no_grad():
+        assert torch.isfinite(shaped(input_ids=windows[:1]).logits).all()
