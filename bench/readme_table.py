@@ -4,6 +4,7 @@
                                                                       #   and the SPAP sweep: results:start/end)
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
+    python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
 """
 from __future__ import annotations
 
@@ -69,11 +70,12 @@ def render_profile(csv: str) -> str:
     return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)
 
 
-RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile}
+RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
+             "profile_slicegpt": render_profile}
 
 
 def main(csv: str) -> None:
-    kind = next((k for k in RENDERERS if k in Path(csv).name), None)
+    kind = max((k for k in RENDERERS if Path(csv).stem.startswith(k)), key=len, default=None)  # the longest match
     if kind is None:
         raise SystemExit(f"{csv}: no README table is rendered from it (known: {', '.join(RENDERERS)})")
     blocks = {kind: RENDERERS[kind](csv), **({"results": render_sweep(csv)} if kind == "ablation" else {})}

@@ -83,6 +83,7 @@ RESULT_COLUMNS = {
     "profile.csv": {"model", "method", "sparsity", "device", "new_tokens", "seconds_median", "peak_mem_mb",
                     "speedup", "bytes_bound"},
 }
+RESULT_COLUMNS["profile_slicegpt.csv"] = RESULT_COLUMNS["profile.csv"]
 
 
 @pytest.mark.parametrize("name", sorted(RESULT_COLUMNS))
