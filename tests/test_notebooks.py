@@ -112,7 +112,9 @@ def test_profile_dense_and_pruned_shapes(smoke_run):
     assert list(prof["method"]) == ["dense", "magnitude", "magnitude", "slicegpt"]
     assert (prof["seconds_median"] > 0).all() and (prof["peak_mem_mb"] > 0).all()
     assert (prof["runs"] == 2).all() and (prof["seconds_min"] <= prof["seconds_max"]).all()
-    assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:] > 1.1).all()
+    assert prof["bytes_bound"].iloc[0] == 1 and (prof["bytes_bound"].iloc[1:3] > 1.1).all()
+    # SliceGPT at 20% slicing removes less than 20% (its shortcuts and untied head read bytes too)
+    assert 1 < prof["bytes_bound"].iloc[3] < prof["bytes_bound"].iloc[1]
     assert prof["weights_read"].iloc[2] % 1 == 0 and prof["round_to"].iloc[2] == 64
     # The variants are data (kept channels per layer), not checkpoints written to disk.
     variants = json.loads((run / "profile_variants.json").read_text())
