@@ -18,7 +18,7 @@ import torch
 
 from . import io
 from .adapters import get_adapter
-from .checks import ParameterError, Spec, check_values, fits_context
+from .checks import ParameterError, Spec, check_sparsity, check_values, fits_context
 from .data import Calibration, calibration_windows
 from .evaluate import perplexity
 from .linalg import NumericalError, nonfinite_parameters, resolve_precision
@@ -124,8 +124,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
             adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
         whole = algo is not None and algo.whole_model
         if whole:  # SliceGPT: its own sparsity (a slicing fraction), resident models, no memory plan yet
-            if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-                raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+            check_sparsity(sparsity)
             if offload not in ("auto", "none"):
                 raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
                                      f"not {offload!r}")
@@ -310,8 +309,7 @@ def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsit
                        batch_size: int, progress: bool) -> dict:
     """A whole-model method (SliceGPT): its own sparsity definition, the parameters actually removed
     counted from the real tensors, the same report keys as the MLP-channel methods."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-        raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    check_sparsity(sparsity)
     if loaded.offload != "none":
         raise ParameterError(f"method {algo.name!r} needs the model resident (offload='none'), got "
                              f"offload={loaded.offload!r}")

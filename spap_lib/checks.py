@@ -93,6 +93,14 @@ def check_values(*items: tuple[str, object, Spec]) -> None:
         spec.check(name, value)
 
 
+def check_sparsity(sparsity) -> float:
+    """A pruning fraction in [0, 1): MLP channels' share of the decoder parameters, or SliceGPT's
+    slicing fraction. ``True`` is not 1 and ``"0.2"`` is not 0.2."""
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
+        raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    return sparsity
+
+
 def fits_context(name: str, tokens: int | None, context: int | None, model: str = "the model") -> None:
     """Refuse windows longer than the positions the model was built for (RoPE models run on silently
     with garbage; OPT's learned positions crash with an IndexError)."""

@@ -109,3 +109,29 @@ def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.Data
                              values="ppl")
     order = {label: i for i, label in enumerate(["dense", *_label_order(table["label"])])}
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)
+
+
+def layer_plot(report: dict, title: str):
+    """02's per-layer picture of one prune report: the relative MLP error on calibration where the method
+    records it (SPAP: after the penalty method's refit and after the alternating update), otherwise what
+    each layer gave up (MLP channels removed; SliceGPT: the residual dimension each block keeps)."""
+    import matplotlib.pyplot as plt
+
+    layers = pd.DataFrame(report["layers"])
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    errors = {"rel_error_penalty": "after penalty method + refit", "rel_error_final": "after alternating update"}
+    drawn = [col for col in errors if col in layers]
+    if drawn:
+        for col in drawn:
+            ax.plot(layers["layer"], layers[col], marker="o", ms=3, label=errors[col])
+        ax.set(ylabel="relative MLP error on calibration", yscale="log")
+        ax.legend()
+    elif "removed" in layers:  # score methods and FASP: the per-layer allocation
+        ax.bar(layers["layer"], layers["removed"], color="0.5")
+        ax.set(ylabel="MLP channels removed")
+    else:  # SliceGPT: {"in", "mid", "out"} per block
+        ax.plot(range(len(layers)), layers["mid"], marker="o", ms=3, color="0.3")
+        ax.set(ylabel="kept residual dimension", ylim=(0, None))
+    ax.set(xlabel="decoder layer", title=title)
+    fig.tight_layout()
+    return fig

@@ -153,12 +153,16 @@ class Grid:
             return None
         n, seqlen = self.calib.windows.shape
         tag = hashlib.sha256(json.dumps(variant.hparams, sort_keys=True).encode()).hexdigest()[:8]
-        cell = re.sub(r"[^A-Za-z0-9._=-]+", "_", f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}")
-        return self.resume_root / re.sub(r"[^A-Za-z0-9._=-]+", "_", self.model_name) / cell
+        return self.resume_root / _slug(self.model_name) / _slug(f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}")
 
     def perplexity(self, model, seqlen: int, windows: int | None) -> dict:
         ids, source = self.eval_ids()
         return {**perplexity_of_ids(model, ids, seqlen, windows, progress=self.progress), "source": source}
+
+
+def _slug(name: str) -> str:
+    """A folder name from a model alias or label (``flap/bias=false`` -> ``flap_bias=false``)."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", name)
 
 
 def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, report: dict | None, ppl: dict,

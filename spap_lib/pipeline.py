@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
-from .checks import ParameterError, Spec
+from .checks import ParameterError, Spec, check_sparsity
 from .linalg import PRECISIONS, NumericalError, check_finite, matmul_precision, nonfinite_parameters, resolve_precision
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
@@ -58,8 +58,7 @@ class SparsityPlan:
 def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
     """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
     the achieved sparsity then moves off the requested one and is reported as measured."""
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-        raise ParameterError(f"sparsity must be a fraction in [0, 1), got {sparsity!r} (e.g. 0.2 for 20%)")
+    check_sparsity(sparsity)
     if round_to is not None:
         Spec(int, ge=1).check("round_to (a kept-width multiple such as 8, 64, 128)", round_to)
     layers = adapter.layers()

@@ -5,7 +5,7 @@ import torch
 
 import spap_lib.grid as grid_mod
 from spap_lib.data import Calibration
-from spap_lib.figures import figure2, headline
+from spap_lib.figures import figure2, headline, layer_plot
 from spap_lib.grid import Eval, Grid, Variant, record_run, run_grid
 from spap_lib.models import Loaded, ModelSource
 
@@ -77,6 +77,24 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
     assert wide.loc[("b", "128×512", 512, 40, rows[-1]["label"]), rows[-1]["sparsity"]] == 1e4
     fig = figure2(csv, tmp_path / "fig.png")
     assert max(max(line.get_ydata(), default=0) for ax in fig.axes for line in ax.get_lines()) < 1e4
+
+
+def test_layer_plot_draws_what_each_method_records():
+    import matplotlib.pyplot as plt
+
+    spap = {"layers": [{"layer": i, "removed": 3, "rel_error_penalty": 0.1 / (i + 1), "rel_error_final": 0.05 / (i + 1)}
+                       for i in range(4)]}
+    ax = layer_plot(spap, "spap").axes[0]
+    assert [list(line.get_ydata()) for line in ax.get_lines()][1] == [0.05 / (i + 1) for i in range(4)]
+    assert ax.get_yscale() == "log"
+    # No per-layer error (score methods, FASP): the allocation, not an empty log-scale axis.
+    flap = {"layers": [{"layer": i, "removed": r} for i, r in enumerate([5, 1, 0, 7])]}
+    ax = layer_plot(flap, "flap").axes[0]
+    assert [p.get_height() for p in ax.patches] == [5, 1, 0, 7] and not ax.get_lines()
+    sliced = {"layers": [{"in": 8, "mid": 8, "out": 8}] * 3}
+    ax = layer_plot(sliced, "slicegpt").axes[0]
+    assert list(ax.get_lines()[0].get_ydata()) == [8, 8, 8] and "residual" in ax.get_ylabel()
+    plt.close("all")
 
 
 def test_extra_protocols_apply_to_their_cells_only(tiny_tokenizer, windows, tmp_path, monkeypatch):

@@ -94,7 +94,7 @@ class Method:
     ablation_of: ClassVar[str | None] = None
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
     # score dense weights do not need it, which lets a grid reuse dense statistics.
-    propagates: bool = True
+    propagates: ClassVar[bool] = True
     # Whether weights are refitted by least squares on calibration activations (then too few
     # calibration tokens make the fit underdetermined, which ``api.prune`` warns about).
     fits: ClassVar[bool] = True
