@@ -1,7 +1,7 @@
 """Render committed result tables into README.md (between their markers).
 
-    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end,
-                                                                      #   and the SPAP sweep: results:start/end)
+    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end, the
+                                                                      #   SPAP sweep: results, Table 5: table5)
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
     python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
@@ -50,6 +50,17 @@ def render_ablation(csv: str) -> str:
     return wide.where(wide.notna(), "").to_markdown(index=False)
 
 
+def render_table5(csv: str) -> str:
+    """Table 5 (does each part of SPAP help?) per model and protocol, with the increase over dense."""
+    from spap_lib.figures import table5
+
+    table = table5(csv)
+    table.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
+                             for s, w in zip(table.pop("eval_seqlen"), table.pop("eval_windows"))])
+    table["sparsity"] = [f"{x:.0%}" for x in table["sparsity"]]
+    return table.to_markdown(index=False)
+
+
 def render_zeroshot(csv: str) -> str:
     """Table 3: perplexities, then accuracy (%) per task with the metric the paper reports, and the mean;
     the header says how many examples per task were scored."""
@@ -78,7 +89,8 @@ def main(csv: str) -> None:
     kind = max((k for k in RENDERERS if Path(csv).stem.startswith(k)), key=len, default=None)  # the longest match
     if kind is None:
         raise SystemExit(f"{csv}: no README table is rendered from it (known: {', '.join(RENDERERS)})")
-    blocks = {kind: RENDERERS[kind](csv), **({"results": render_sweep(csv)} if kind == "ablation" else {})}
+    more = {"results": render_sweep, "table5": render_table5} if kind == "ablation" else {}
+    blocks = {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
     text = README.read_text()
     for name, body in blocks.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"

@@ -111,6 +111,31 @@ def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.Data
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)
 
 
+TABLE5 = ("fasp", "spap_no_update", "spap_gd", "spap")  # the paper's Table 5 rows, FASP as the one-shot reference
+
+
+def table5(results_csv: str | Path) -> pd.DataFrame:
+    """The paper's Table 5 from the grid's rows: per model, protocol (calibration size, evaluation) and
+    sparsity where an ablation ran, perplexity of FASP and of SPAP with each part removed, and each one's
+    increase over dense (%). A cell not measured is empty; a protocol without a dense row, no percentages."""
+    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    key = ["model", "calib", "eval_seqlen", "eval_windows"]
+    dense = table[table["label"] == "dense"].groupby(["model", "eval_seqlen", "eval_windows"])["ppl"].first()
+    cells = table[table["label"].isin(TABLE5)]
+    wide = cells.pivot_table(index=[*key, "sparsity"], columns="label", values="ppl")
+    wide = wide[[label for label in TABLE5 if label in wide.columns]]
+    ablations = [label for label in ("spap_no_update", "spap_gd") if label in wide.columns]
+    wide = wide[wide[ablations].notna().any(axis=1)]  # cells where an ablation ran (the rest is the sweep)
+    out = pd.DataFrame(index=wide.index)
+    for (model, _, seqlen, windows, _), row in wide.iterrows():
+        base = dense.get((model, seqlen, windows))
+        out.loc[row.name, "dense"] = "" if base is None else f"{base:.2f}"
+        for label, ppl in row.items():
+            out.loc[row.name, label] = "" if pd.isna(ppl) else \
+                f"{ppl:.2f}" + ("" if base is None else f" (+{100 * (ppl / base - 1):.1f}%)")
+    return out.reset_index()
+
+
 def layer_plot(report: dict, title: str):
     """02's per-layer picture of one prune report: the relative MLP error on calibration where the method
     records it (SPAP: after the penalty method's refit and after the alternating update), otherwise what

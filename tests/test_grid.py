@@ -5,7 +5,7 @@ import torch
 
 import spap_lib.grid as grid_mod
 from spap_lib.data import Calibration
-from spap_lib.figures import figure2, headline, layer_plot
+from spap_lib.figures import figure2, headline, layer_plot, table5
 from spap_lib.grid import Eval, Grid, Variant, record_run, run_grid
 from spap_lib.models import Loaded, ModelSource
 
@@ -77,6 +77,20 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
     assert wide.loc[("b", "128×512", 512, 40, rows[-1]["label"]), rows[-1]["sparsity"]] == 1e4
     fig = figure2(csv, tmp_path / "fig.png")
     assert max(max(line.get_ydata(), default=0) for ax in fig.axes for line in ax.get_lines()) < 1e4
+
+
+def test_table5_lists_the_ablated_cells_with_their_increase_over_dense(tmp_path):
+    rows = [{"model": "m", "label": label, "method": label, "sparsity": s, "eval_seqlen": 512, "eval_windows": 40,
+             "nsamples": 32, "seqlen": 512, "ppl": ppl}
+            for label, s, ppl in (("dense", 0.0, 20.0), ("fasp", 0.2, 30.0), ("spap_no_update", 0.2, 29.0),
+                                  ("spap", 0.2, 25.0), ("fasp", 0.3, 40.0), ("spap", 0.3, 35.0))]
+    rows.append({**rows[3], "nsamples": 128, "ppl": 24.0, "label": "spap_gd", "method": "spap_gd"})
+    csv = tmp_path / "r.csv"
+    pd.DataFrame(rows).to_csv(csv, index=False)
+    t = table5(csv).set_index(["calib", "sparsity"])
+    assert list(t.index) == [("128×512", 0.2), ("32×512", 0.2)]  # 30% has no ablation: the sweep's, not Table 5's
+    assert t.loc[("32×512", 0.2), "spap"] == "25.00 (+25.0%)" and t.loc[("32×512", 0.2), "spap_gd"] == ""
+    assert t.loc[("128×512", 0.2), "spap_gd"] == "24.00 (+20.0%)"  # dense is the same model and test windows
 
 
 def test_layer_plot_draws_what_each_method_records():
