@@ -7,6 +7,10 @@ prune / evaluation / save seconds, a hash of the kept channels (equal across mod
 and both perplexities. Rows are appended to ``--out`` as they finish (resumable: done rows are kept).
 
     python bench/offload.py --model smollm2-135m --modes none,cpu,disk --nsamples 32 --seqlen 512
+    python bench/offload.py --model gemma3-270m --modes none,disk --load-only --out bench/results/offload_load_cpu.csv
+
+``--load-only`` stops after loading (weights, tokenizer, calibration windows): the host peak of reading a
+model in each mode, in seconds rather than a prune's minutes.
 
 ``--random`` saves a checkpoint of a shipped config's shapes with random weights (``--layers`` decoder
 layers; bench/.cache, once) and calibrates on random tokens: memory and time of paper-size layers
@@ -89,7 +93,9 @@ def one(args) -> dict:
     result = {"model": args.model + (f" (random weights, {args.layers} layers)" if args.random else ""),
               "offload": args.offload, "method": args.method, "hparams": json.dumps(hparams),
               "calibration": f"{args.nsamples} x {args.seqlen}", "device": _device_name(device),
-              "load s": round(t_load, 1)}
+              "load s": round(t_load, 1), "peak host GB after load": round(peak_rss_mb() / 1024, 3)}
+    if args.load_only:
+        return result
     if not args.random:
         t = time.perf_counter()
         dense = sl.perplexity(loaded.model, loaded.tokenizer, args.eval_seqlen, args.eval_windows, progress=False,
@@ -142,6 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--random", action="store_true", help="random weights from the shipped config (no download)")
     ap.add_argument("--layers", type=int, default=2, help="with --random: decoder layers to build")
+    ap.add_argument("--load-only", action="store_true", help="stop after loading: the host peak of reading the model")
     ap.add_argument("--out", default="bench/results/offload.csv")
     args = ap.parse_args(argv)
     if args.offload:  # child: one mode, result as JSON on the last line
