@@ -30,7 +30,7 @@ import tempfile
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -100,8 +100,16 @@ def _unstreamable(folder: Path) -> str:
             "once: AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path) writes safetensors.")
 
 
+class _TensorInfo(NamedTuple):
+    offset: int
+    n_bytes: int
+    dtype: object  # numpy dtype of the stored blocks
+    shape: tuple
+    type: object  # gguf quantization type
+
+
 class GGUFStore:
-    """Tensors of a GGUF file, dequantized one at a time (the reader memory-maps the file).
+    """Tensors of a GGUF file, dequantized one at a time.
 
     Names and per-architecture fixes (Llama's q/k permutation, Gemma's norm offset) come from
     transformers' own GGUF tables, so a tensor equals what ``from_pretrained(gguf_file=...)`` loads.
@@ -113,12 +121,17 @@ class GGUFStore:
             TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
 
         self.path = Path(path)
-        self.reader = GGUFReader(str(self.path))
-        self._parsed = load_gguf_checkpoint(str(self.path))  # metadata only (no tensors)
-        arch = read_field(self.reader, "general.architecture")[0]
+        reader = GGUFReader(str(self.path))
+        arch = read_field(reader, "general.architecture")[0]
+        # Where each tensor's bytes lie and how to decode them; then the reader goes: it holds every
+        # metadata array as Python objects (Gemma-3's 262k-token vocabulary: 0.7 GB) that no read needs.
+        self._tensors = {t.name: _TensorInfo(int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
+                                             t.tensor_type) for t in reader.tensors}
+        del reader
+        # Metadata only (no tensors); its config alone is kept (the parse holds the tokenizer too).
+        self._parsed = {"config": load_gguf_checkpoint(str(self.path))["config"], "tensors": {}}
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self._parsed["config"])
         self._gguf_to_hf = get_gguf_hf_weights_map(skeleton, self.processor)
-        self._tensors = {t.name: t for t in self.reader.tensors}
         self.where = {hf: g for g, hf in self._gguf_to_hf.items() if g in self._tensors}
 
     def names(self) -> set[str]:
@@ -134,16 +147,23 @@ class GGUFStore:
         import numpy as np
         from gguf import dequantize
 
-        tensor = self._tensors[self.where[name]]
-        # Read the bytes with a plain read rather than through the reader's memory map, whose pages
-        # would otherwise stay mapped into this process (the whole file, after one pass).
+        gguf_name = self.where[name]
+        tensor = self._tensors[gguf_name]
+        # A plain read rather than a memory map, whose pages would stay mapped into this process (the
+        # whole file, after one pass).
         with open(self.path, "rb") as f:
-            raw = os.pread(f.fileno(), int(tensor.n_bytes), int(tensor.data_offset))
-        data = np.frombuffer(raw, dtype=tensor.data.dtype).reshape(tensor.data.shape)
-        weights = dequantize(data, tensor.tensor_type)
-        weights = self.processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._gguf_to_hf,
+            raw = os.pread(f.fileno(), tensor.n_bytes, tensor.offset)
+        data = np.frombuffer(raw, dtype=tensor.dtype).reshape(tensor.shape)
+        weights = dequantize(data, tensor.type)
+        weights = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self._gguf_to_hf,
                                          parsed_parameters=self._parsed).weights
-        return torch.from_numpy(np.copy(weights)).to(dtype)
+        # One float32 copy of the tensor, not two (the embeddings of a 150-260k vocabulary are 0.5-0.7 GB
+        # each): dequantize returns a fresh array; copy only a permuted view or a read-only array (an
+        # unquantized tensor is a view of the bytes read).
+        weights = np.ascontiguousarray(weights)
+        if not weights.flags.writeable:
+            weights = weights.copy()
+        return torch.from_numpy(weights).to(dtype)
 
 
 def _remove_dead_spills(root: Path) -> None:
@@ -354,6 +374,7 @@ def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -
                                  "the checkpoint does not match its config")
         set_module_tensor_to_device(model, name, "cpu", value=store.get(name, dtype))
     model.tie_weights()
+    release_freed()  # the dequantization temporaries of a large vocabulary's embeddings (Gemma-3: 0.26 GB)
 
 
 def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path) -> None:
