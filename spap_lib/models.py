@@ -462,6 +462,9 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
         raise ParameterError(f"{name} is a SliceGPT checkpoint (shortcut matrices between blocks): it loads "
                              f"resident only, offload='none' (got {offload!r})")
     with _readable(source):
+        # The tokenizer first: from a GGUF it parses the whole vocabulary (0.4-0.7 GB of transient Python
+        # objects for 150-260k tokens), which then peaks beside nothing rather than beside the weights.
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
         if offload == "disk":
             model = _skeleton(source, dt)
             adapter = get_adapter(model)
@@ -481,6 +484,5 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
             onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
                 HostOffload(model, adapter.layers(), dev)
             model.to(dev if offload == "none" else "cpu")
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
     model.eval()
     return Loaded(model, tokenizer, adapter, source, dev, onloader)
