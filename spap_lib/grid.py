@@ -153,7 +153,8 @@ class Grid:
             return None
         n, seqlen = self.calib.windows.shape
         tag = hashlib.sha256(json.dumps(variant.hparams, sort_keys=True).encode()).hexdigest()[:8]
-        return self.resume_root / _slug(self.model_name) / _slug(f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}")
+        cell = f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}"
+        return self.resume_root / _slug(self.model_name) / _slug(cell)
 
     def perplexity(self, model, seqlen: int, windows: int | None) -> dict:
         ids, source = self.eval_ids()
