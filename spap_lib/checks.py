@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from types import ModuleType
 
+import yaml
+
 
 class ParameterError(ValueError):
     """A parameter value that spap refuses (wrong type, out of range, unknown name)."""
@@ -72,6 +74,8 @@ class Spec:
         if t is int and (isinstance(value, bool) or not isinstance(value, int)):
             refuse(type(value).__name__)
         if t is float:
+            if isinstance(value, str) and _number_text(value):
+                refuse(f"text: YAML reads {value} without a dot as a string; write {_yaml_float(value)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 refuse(type(value).__name__)
             if not math.isfinite(value):
@@ -85,6 +89,26 @@ class Spec:
             if bound is not None and not ok(value, bound):
                 refuse("out of range")
         return value
+
+
+def _number_text(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _yaml_float(text: str) -> str:
+    """``1e-4`` as YAML 1.1 reads it as a float: ``1.0e-4``."""
+    mantissa, _, exponent = text.lower().partition("e")
+    return (mantissa if "." in mantissa else mantissa + ".0") + (f"e{exponent}" if exponent else "")
+
+
+def scalar(text: str):
+    """A ``key=value`` value from a label or command line: YAML, except that a number YAML 1.1 reads as a
+    string (``1e-4``, no dot) is the number."""
+    value = yaml.safe_load(text)
+    return float(value) if isinstance(value, str) and _number_text(value) else value
 
 
 def check_values(*items: tuple[str, object, Spec]) -> None:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-import yaml
 
 from . import api, io
 from .capture import first_layer_inputs
+from .checks import scalar
 from .data import Calibration, tokenize, wikitext
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method
@@ -59,7 +59,7 @@ class Variant:
             key, sep, value = item.partition("=")
             if not sep:
                 raise ValueError(f"bad variant {label!r}: expected method/key=value[,key=value]")
-            hparams[key.strip()] = yaml.safe_load(value)
+            hparams[key.strip()] = scalar(value)
         get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
         return cls(label, method, hparams)
 

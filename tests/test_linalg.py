@@ -103,6 +103,25 @@ def test_alternating_update_never_worse_and_improves():
     assert err == pytest.approx(min(history), rel=1e-3)
 
 
+@pytest.mark.parametrize("lr_scale", ["rms", "absolute"])
+def test_adam_step_is_lr_times_each_tensors_rms(lr_scale):
+    """Adam's first step moves every element by lr (its update is lr·sign(g) then): with lr_scale="rms"
+    that is lr × the tensor's RMS, so one setting fits models whose weights differ 10× in scale
+    (SmolLM2 ≈ 0.19, Qwen2.5-0.5B 0.004–0.06); a zero bias steps like its weight."""
+    from spap_lib.methods.spap import adam
+
+    torch.manual_seed(0)
+    W_gate, W_up, b = 0.01 * torch.randn(16, 8), 3.0 * torch.randn(16, 8), torch.zeros(16)
+    params = [W_gate.clone().requires_grad_(), W_up.clone().requires_grad_(), b.clone().requires_grad_()]
+    opt = adam(params, 1e-2, lr_scale, like=[W_gate, W_up, W_up])
+    sum((p * torch.randn_like(p)).sum() for p in params).backward()
+    opt.step()
+    rms = [float(W_gate.pow(2).mean().sqrt()), float(W_up.pow(2).mean().sqrt())]
+    expected = [1e-2 * r for r in (rms[0], rms[1], rms[1])] if lr_scale == "rms" else [1e-2] * 3
+    for p, start, step in zip(params, [W_gate, W_up, b], expected):
+        torch.testing.assert_close((p.detach() - start).abs(), torch.full_like(start, step), rtol=1e-3, atol=0)
+
+
 def test_nan_and_singular_gram_raise_clear_errors():
     from spap_lib.linalg import check_finite, solve_spd
 

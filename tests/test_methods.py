@@ -212,6 +212,10 @@ def test_unknown_method_or_allocation_is_explained():
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         Variant.parse("flap/threshold=3")
     assert Variant.parse("flap/allocation=uniform,bias=false").hparams == {"allocation": "uniform", "bias": False}
+    # YAML 1.1 reads "1e-4" (no dot) as text: a label means the number; a config value gets told how to write it
+    assert Variant.parse("spap/lr=1e-4,am_iters=3").hparams == {"lr": 1e-4, "am_iters": 3}
+    with pytest.raises(ValueError, match="write 1.0e-4"):
+        sl.get_method("spap", lr="1e-4")
 
 
 @pytest.mark.parametrize("choice", ["global", "angular"])

@@ -23,6 +23,11 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
 * ρ and δ are scale-free: multiples of ``mean(diag(Z Zᵀ))``, so one setting serves every layer and
   model (the paper gives absolute values for its models).
 * δ > 0 damping in every solve (the Gram matrix of 16k tokens is near-singular in some layers).
+* Adam's learning rate is scale-free too (``lr_scale="rms"``): each tensor steps ``lr × RMS`` of its
+  own starting weights. Adam moves every element by about ``lr`` per step whatever the gradient, so an
+  absolute rate tuned on one model is 10× too large on another: SmolLM2-135M's MLP weights have RMS
+  ≈ 0.19, Qwen2.5-0.5B's 0.004–0.06, and there the absolute 1e-3 tuned on SmolLM2 made the update
+  overfit (bench/results/layers_qwen_lr.md). ``lr_scale="absolute"`` is the plain Adam rate.
 * The update keeps the best round by calibration error, the penalty stage's refit included, so the
   update never makes a layer worse on its calibration data (the paper returns the last iterate).
 * ``am_iters`` defaults to 10 rounds, not the paper's 20: on 32 × 512 calibration tokens 20 rounds
@@ -153,6 +158,20 @@ def trainable(params: list[torch.Tensor]):
             p.requires_grad_(False)
 
 
+def adam(params: list[torch.Tensor], lr: float, lr_scale: str, like: list[torch.Tensor] | None = None) -> torch.optim.Adam:
+    """Adam over ``params``; with ``lr_scale="rms"`` each tensor's rate is ``lr × RMS(tensor)`` (an all-zero
+    tensor, e.g. a zero bias, takes the RMS of its counterpart in ``like``: the weight it is added after)."""
+    if lr_scale == "absolute":
+        return torch.optim.Adam(params, lr=lr)
+    groups = []
+    for i, p in enumerate(params):
+        rms = float(p.detach().double().pow(2).mean().sqrt())
+        if rms == 0 and like is not None:
+            rms = float(like[i].detach().double().pow(2).mean().sqrt())
+        groups.append({"params": [p], "lr": lr * rms if rms > 0 else lr})
+    return torch.optim.Adam(groups, lr=lr)
+
+
 def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
                   steps: int, batch_tokens: int) -> None:
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens."""
@@ -178,6 +197,7 @@ def alternating_update(
     damp: float,
     chunk: int,
     seed: int,
+    lr_scale: str = "rms",
 ) -> tuple[MLP, list[float]]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
@@ -189,8 +209,9 @@ def alternating_update(
     n, dtype = mlp.width, H.dtype
     history = [reconstruction_error(get_out(mlp), H, YZ, YY) / YY]
     best_error, best = history[0], mlp.clone()
-    W_in = [*mlp.W_in, *(b for b in mlp.b_in if b is not None)]  # gate/up (fc1) weights and biases
-    opt = torch.optim.Adam(W_in, lr=lr)  # one optimiser for all rounds: its moments carry over
+    pairs = [*zip(mlp.W_in, mlp.W_in), *((b, W) for W, b in zip(mlp.W_in, mlp.b_in) if b is not None)]
+    W_in = [p for p, _ in pairs]  # gate/up (fc1) weights and biases
+    opt = adam(W_in, lr, lr_scale, like=[w for _, w in pairs])  # one optimiser for all rounds: its moments carry over
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(W_in):
         for _ in range(iters):
@@ -229,7 +250,8 @@ class SPAP(Method):
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (1e-4 and 1e-2 were worse)
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
-    lr: float = hp(1e-3, gt=0)  # Adam learning rate (1e-5 … 1e-2 measured; 1e-2 overshoots)
+    lr: float = hp(5e-3, gt=0)  # Adam step in units of each tensor's RMS (SmolLM2: ≈ the absolute 1e-3 measured best)
+    lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
     precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float64 on CPU, tf32 on CUDA)
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
@@ -261,7 +283,7 @@ class SPAP(Method):
             mlp, history = alternating_update(
                 mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
-                seed=problem.seed + problem.layer_index,
+                seed=problem.seed + problem.layer_index, lr_scale=self.lr_scale,
             )
             info["rel_error_penalty"] = history[0]
             info["rel_error_final"] = min(history)
@@ -290,14 +312,16 @@ def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) ->
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
-                    batch_tokens: int, chunk: int, seed: int) -> tuple[MLP, list[float]]:
+                    batch_tokens: int, chunk: int, seed: int, lr_scale: str = "rms") -> tuple[MLP, list[float]]:
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     history = [calibration_error(mlp, X, Y, chunk) / YY]
     best_error, best = history[0], mlp.clone()
-    params = [*mlp.W_in, mlp.W_out, *(b for b in [*mlp.b_in, mlp.b_out] if b is not None)]
-    opt = torch.optim.Adam(params, lr=lr)
+    weights = [*mlp.W_in, mlp.W_out]
+    pairs = [*zip(weights, weights), *((b, W) for W, b in zip(weights, [*mlp.b_in, mlp.b_out]) if b is not None)]
+    params = [p for p, _ in pairs]
+    opt = adam(params, lr, lr_scale, like=[w for _, w in pairs])
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(params):
         for _ in range(rounds):
@@ -324,6 +348,7 @@ class SPAPGD(SPAP):
             mlp, history = gradient_update(
                 mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
+                lr_scale=self.lr_scale,
             )
             info["rel_error_penalty"] = history[0]
             info["rel_error_final"] = min(history)
