@@ -39,7 +39,7 @@ TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds
 
 
 def held_out_windows(tokenizer, fit, n: int, seqlen: int):
-    """``n`` windows of seed 1 that share no token position with a fit window."""
+    """``n`` windows of seed 1 that share no token position with a window of ``fit``."""
     cand = sl.calibration_windows(tokenizer, 4 * n, seqlen, seed=1)
     ok = [i for i, s in enumerate(cand.starts.tolist()) if all(abs(s - f) >= seqlen for f in fit.starts.tolist())]
     if len(ok) < n:
@@ -87,6 +87,10 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=TABLE5, help="comma-separated grid labels; ',' inside a label's "
                     "key=value list is allowed (a part without '/' or '=' starts a new label)")
     ap.add_argument("--no-masks", action="store_true", help="skip the mask comparison")
+    ap.add_argument("--held-avoid", type=int, default=None,
+                    help="held-out windows avoid the first N seed-0 windows (default --nsamples): give the largest "
+                         "--nsamples of a calibration-size study so every size is scored on the same windows (the "
+                         "seed-0 windows of a smaller size are the first ones of a larger)")
     ap.add_argument("--out", default="bench/results/layers.csv")
     args = ap.parse_args(argv)
     labels = []
@@ -102,7 +106,8 @@ def main(argv=None) -> None:
     loaded = sl.load(args.model, device="cpu")
     layers = [int(x) for x in args.layers.split(",")]
     fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
-    held = held_out_windows(loaded.tokenizer, fit, args.held, args.seqlen)
+    avoid = fit if args.held_avoid is None else sl.calibration_windows(loaded.tokenizer, args.held_avoid, args.seqlen, seed=0)
+    held = held_out_windows(loaded.tokenizer, avoid, args.held, args.seqlen)
     X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     n_remove = sl.plan_sparsity(loaded.adapter, args.sparsity).n_remove
     spap = sl.get_method("spap")

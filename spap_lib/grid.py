@@ -184,15 +184,28 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         "calib_split": calib["split"], "calib_source": calib["source"], "nsamples": calib["nsamples"],
         "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"],
         "hparams": json.dumps(hparams, sort_keys=True), "device": str(grid.loaded.device),
+        "resolved_hparams": resolved(method, hparams),
     }
 
 
-def _done(table: pd.DataFrame, row: dict) -> bool:
+def resolved(method: str, hparams: dict) -> str:
+    """Every hyperparameter the cell ran with, defaults included (``hparams`` holds the overrides only): a
+    row stays exact when a default changes later, and the grid can tell that it is stale."""
+    return "{}" if method == "dense" else json.dumps(get_method(method, **hparams).hparams(), sort_keys=True)
+
+
+def _done(table: pd.DataFrame, row: dict, current: str) -> bool:
+    """A row with ``row``'s key exists and ran with the ``current`` resolved hyperparameters. A row whose
+    recorded ones differ (a default changed since) is stale: the cell runs again and replaces it. Rows
+    written before the column existed record nothing and count as done."""
     if table.empty:
         return False
     match = pd.Series(True, index=table.index)
     for k in KEY:
         match &= table[k].astype(str) == str(row[k])
+    if "resolved_hparams" in table:
+        recorded = table["resolved_hparams"].fillna("").astype(str)
+        match &= recorded.isin(["", current])
     return bool(match.any())
 
 
@@ -215,18 +228,19 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
                 "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
                 "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
 
-    def _todo(label, hparams, sparsity) -> list[tuple[int, int | None]]:
+    def _todo(label, method, hparams, sparsity) -> list[tuple[int, int | None]]:
         protocols = [(s, eval_windows) for s in eval_seqlens]
         protocols += [(e.seqlen, e.windows) for e in extra_evals if e.applies(label, sparsity)]
+        current = resolved(method, hparams)
         return [p for p in dict.fromkeys(protocols)
-                if not (resume and _done(table, probe(label, hparams, sparsity, *p)))]
+                if not (resume and _done(table, probe(label, hparams, sparsity, *p), current))]
 
-    todo = _todo("dense", {}, 0.0)
+    todo = _todo("dense", "dense", {}, 0.0)
     if todo:
         add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, w), w) for s, w in todo])
     for sparsity in sparsities:
         for v in variants:
-            todo = _todo(v.label, v.hparams, sparsity)
+            todo = _todo(v.label, v.method, v.hparams, sparsity)
             if not todo:
                 continue
             t0 = time.perf_counter()

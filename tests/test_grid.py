@@ -3,6 +3,7 @@ import pandas as pd
 import pytest
 import torch
 
+import spap_lib as sl
 import spap_lib.grid as grid_mod
 from spap_lib.data import Calibration
 from spap_lib.figures import figure2, headline, layer_plot, table5
@@ -135,6 +136,39 @@ def test_extra_protocols_apply_to_their_cells_only(tiny_tokenizer, windows, tmp_
         Eval.parse({"seqlen": 8, "window": 3})
     with pytest.raises(ValueError, match=r"names \['spap'\], which the grid does not run"):
         Eval.parse({"seqlen": 8, "labels": ["dense", "spap"]}, labels=["magnitude"])
+
+
+def test_rows_record_every_hyperparameter_and_a_changed_default_reruns_the_cell(tiny_tokenizer, windows, tmp_path,
+                                                                                 monkeypatch):
+    """``hparams`` holds a label's overrides; ``resolved_hparams`` what the cell really ran with. When a default
+    changes later, the grid recomputes that cell and replaces its stale row; rows from before the column
+    existed (nothing recorded) stay done."""
+    import json
+
+    from spap_lib.methods import METHODS
+
+    g = _grid("llama", tiny_tokenizer, windows)
+    csv = tmp_path / "t.csv"
+    variants = [Variant.parse("magnitude"), Variant.parse("wanda_sp/allocation=global")]
+    table = run_grid(g, variants, [0.2], [16], 2, csv)
+    rows = table.set_index("label")
+    assert json.loads(rows.loc["wanda_sp/allocation=global", "hparams"]) == {"allocation": "global"}
+    assert json.loads(rows.loc["wanda_sp/allocation=global", "resolved_hparams"]) == \
+        sl.get_method("wanda_sp", allocation="global").hparams()
+    assert rows.loc["dense", "resolved_hparams"] == "{}"
+    pruned = []
+    real = Grid.prune
+    monkeypatch.setattr(Grid, "prune", lambda self, v, s: pruned.append(v.label) or real(self, v, s))
+    monkeypatch.setattr(METHODS["magnitude"], "hparams", lambda self: {"a_new_default": 1})
+    again = run_grid(g, variants, [0.2], [16], 2, csv)
+    assert pruned == ["magnitude"] and len(again) == len(table)
+    assert again.set_index("label").loc["magnitude", "resolved_hparams"] == '{"a_new_default": 1}'
+    # a row written before the column existed: nothing recorded, nothing recomputed
+    old = pd.read_csv(csv, keep_default_na=False).drop(columns="resolved_hparams")
+    old.to_csv(csv, index=False)
+    monkeypatch.setattr(METHODS["magnitude"], "hparams", lambda self: {"another_default": 2})
+    run_grid(g, variants, [0.2], [16], 2, csv)
+    assert pruned == ["magnitude"]
 
 
 def test_every_run_keeps_its_manifest(tmp_path):
