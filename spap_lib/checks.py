@@ -75,7 +75,8 @@ class Spec:
             refuse(type(value).__name__)
         if t is float:
             if isinstance(value, str) and _number_text(value):
-                refuse(f"text: YAML reads {value} without a dot as a string; write {_yaml_float(value)}")
+                refuse(f"text: YAML 1.1 reads a number as text unless it has a dot and a signed exponent; "
+                       f"write {_yaml_float(value)}")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 refuse(type(value).__name__)
             if not math.isfinite(value):
@@ -99,14 +100,17 @@ def _number_text(text: str) -> bool:
 
 
 def _yaml_float(text: str) -> str:
-    """``1e-4`` as YAML 1.1 reads it as a float: ``1.0e-4``."""
-    mantissa, _, exponent = text.lower().partition("e")
-    return (mantissa if "." in mantissa else mantissa + ".0") + (f"e{exponent}" if exponent else "")
+    """A number written so that YAML 1.1 reads a float: ``1e-4`` -> ``1.0e-4``, ``1.5e3`` -> ``1.5e+3``."""
+    mantissa, _, exponent = text.strip().lower().partition("e")
+    mantissa = mantissa if "." in mantissa else mantissa + ".0"
+    if exponent and exponent[0] not in "+-":
+        exponent = "+" + exponent
+    return mantissa + (f"e{exponent}" if exponent else "")
 
 
 def scalar(text: str):
     """A ``key=value`` value from a label or command line: YAML, except that a number YAML 1.1 reads as a
-    string (``1e-4``, no dot) is the number."""
+    string (``1e-4``: no dot; ``1.5e3``: no exponent sign) is the number."""
     value = yaml.safe_load(text)
     return float(value) if isinstance(value, str) and _number_text(value) else value
 

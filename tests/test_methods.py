@@ -1,5 +1,6 @@
 """Every registered method on tiny random models, and the properties each one promises."""
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -212,10 +213,15 @@ def test_unknown_method_or_allocation_is_explained():
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         Variant.parse("flap/threshold=3")
     assert Variant.parse("flap/allocation=uniform,bias=false").hparams == {"allocation": "uniform", "bias": False}
-    # YAML 1.1 reads "1e-4" (no dot) as text: a label means the number; a config value gets told how to write it
-    assert Variant.parse("spap/lr=1e-4,am_iters=3").hparams == {"lr": 1e-4, "am_iters": 3}
-    with pytest.raises(ValueError, match="write 1.0e-4"):
-        sl.get_method("spap", lr="1e-4")
+    # YAML 1.1 reads "1e-4" (no dot) and "1.5e3" (unsigned exponent) as text: a label means the number; a
+    # config value gets told how to write it so that YAML reads a float
+    import yaml
+
+    assert Variant.parse("spap/lr=1e-4,am_iters=3,damp=1.5e3").hparams == {"lr": 1e-4, "am_iters": 3, "damp": 1500.0}
+    for text, fix in (("1e-4", "1.0e-4"), ("1.5e3", "1.5e+3"), ("2E-3", "2.0e-3")):
+        with pytest.raises(ValueError, match=f"write {re.escape(fix)}"):
+            sl.get_method("spap", lr=text)
+        assert yaml.safe_load(fix) == float(text)
 
 
 @pytest.mark.parametrize("choice", ["global", "angular"])

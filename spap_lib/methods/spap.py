@@ -209,9 +209,9 @@ def alternating_update(
     n, dtype = mlp.width, H.dtype
     history = [reconstruction_error(get_out(mlp), H, YZ, YY) / YY]
     best_error, best = history[0], mlp.clone()
-    pairs = [*zip(mlp.W_in, mlp.W_in), *((b, W) for W, b in zip(mlp.W_in, mlp.b_in) if b is not None)]
-    W_in = [p for p, _ in pairs]  # gate/up (fc1) weights and biases
-    opt = adam(W_in, lr, lr_scale, like=[w for _, w in pairs])  # one optimiser for all rounds: its moments carry over
+    W_in = [*mlp.W_in, *(b for b in mlp.b_in if b is not None)]  # gate/up (fc1) weights and biases
+    like = [*mlp.W_in, *(W for W, b in zip(mlp.W_in, mlp.b_in) if b is not None)]  # each one's weight
+    opt = adam(W_in, lr, lr_scale, like)  # one optimiser for all rounds: its moments carry over
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(W_in):
         for _ in range(iters):
@@ -318,10 +318,9 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, 
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     history = [calibration_error(mlp, X, Y, chunk) / YY]
     best_error, best = history[0], mlp.clone()
-    weights = [*mlp.W_in, mlp.W_out]
-    pairs = [*zip(weights, weights), *((b, W) for W, b in zip(weights, [*mlp.b_in, mlp.b_out]) if b is not None)]
-    params = [p for p, _ in pairs]
-    opt = adam(params, lr, lr_scale, like=[w for _, w in pairs])
+    weights, biases = [*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out]
+    params = [*weights, *(b for b in biases if b is not None)]
+    opt = adam(params, lr, lr_scale, like=[*weights, *(W for W, b in zip(weights, biases) if b is not None)])
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(params):
         for _ in range(rounds):
