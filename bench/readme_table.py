@@ -24,8 +24,8 @@ def render_sweep(csv: str) -> str:
     """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
     df = pd.read_csv(csv, keep_default_na=False)
-    df = df[df["label"].isin(["dense", "spap", "spap" + ABSOLUTE_LR])].assign(calib=lambda d: [f"{n}×{s}" for n, s in zip(d["nsamples"],
-                                                                                                   d["seqlen"])])
+    df = df[df["label"].isin(["dense", "spap", "spap" + ABSOLUTE_LR])]
+    df = df.assign(calib=[f"{n}×{s}" for n, s in zip(df["nsamples"], df["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
                          for s, w in zip(df["eval_seqlen"], df["eval_windows"])])
     cell = ["model", "calib", "label", "sparsity"]

@@ -112,8 +112,9 @@ def test_adam_step_is_lr_times_each_tensors_rms(lr_scale):
 
     torch.manual_seed(0)
     W_gate, W_up, b = 0.01 * torch.randn(16, 8), 3.0 * torch.randn(16, 8), torch.zeros(16)
-    params = [W_gate.clone().requires_grad_(), W_up.clone().requires_grad_(), b.clone().requires_grad_()]
-    opt = adam(params, 1e-2, lr_scale, like=[W_gate, W_up, W_up])
+    weights = [W_gate.clone().requires_grad_(), W_up.clone().requires_grad_()]
+    params, opt = adam(weights, [None, b.clone().requires_grad_()], 1e-2, lr_scale)  # the bias is added after W_up
+    assert len(params) == 3 and all(p is W for p, W in zip(params, weights))
     sum((p * torch.randn_like(p)).sum() for p in params).backward()
     opt.step()
     rms = [float(W_gate.pow(2).mean().sqrt()), float(W_up.pow(2).mean().sqrt())]

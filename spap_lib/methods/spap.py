@@ -158,18 +158,20 @@ def trainable(params: list[torch.Tensor]):
             p.requires_grad_(False)
 
 
-def adam(params: list[torch.Tensor], lr: float, lr_scale: str, like: list[torch.Tensor] | None = None) -> torch.optim.Adam:
-    """Adam over ``params``; with ``lr_scale="rms"`` each tensor's rate is ``lr × RMS(tensor)`` (an all-zero
-    tensor, e.g. a zero bias, takes the RMS of its counterpart in ``like``: the weight it is added after)."""
+def _rms(t: torch.Tensor) -> float:
+    return float(t.detach().double().pow(2).mean().sqrt())
+
+
+def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: float,
+         lr_scale: str) -> tuple[list[torch.Tensor], torch.optim.Adam]:
+    """Adam over ``weights`` and the ``biases`` that exist (``biases[i]`` is added after ``weights[i]``), in
+    that order; returns the parameters and the optimiser. With ``lr_scale="rms"`` each tensor's rate is
+    ``lr × RMS(tensor)``; an all-zero bias takes its weight's RMS (and a tensor with nothing to scale by, ``lr``)."""
+    pairs = [*((W, W) for W in weights), *((b, W) for W, b in zip(weights, biases) if b is not None)]
+    params = [p for p, _ in pairs]
     if lr_scale == "absolute":
-        return torch.optim.Adam(params, lr=lr)
-    groups = []
-    for i, p in enumerate(params):
-        rms = float(p.detach().double().pow(2).mean().sqrt())
-        if rms == 0 and like is not None:
-            rms = float(like[i].detach().double().pow(2).mean().sqrt())
-        groups.append({"params": [p], "lr": lr * rms if rms > 0 else lr})
-    return torch.optim.Adam(groups, lr=lr)
+        return params, torch.optim.Adam(params, lr=lr)
+    return params, torch.optim.Adam([{"params": [p], "lr": lr * (_rms(p) or _rms(W) or 1.0)} for p, W in pairs], lr=lr)
 
 
 def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
@@ -209,9 +211,8 @@ def alternating_update(
     n, dtype = mlp.width, H.dtype
     history = [reconstruction_error(get_out(mlp), H, YZ, YY) / YY]
     best_error, best = history[0], mlp.clone()
-    W_in = [*mlp.W_in, *(b for b in mlp.b_in if b is not None)]  # gate/up (fc1) weights and biases
-    like = [*mlp.W_in, *(W for W, b in zip(mlp.W_in, mlp.b_in) if b is not None)]  # each one's weight
-    opt = adam(W_in, lr, lr_scale, like)  # one optimiser for all rounds: its moments carry over
+    # gate/up (fc1) weights and biases; one optimiser for all rounds: its moments carry over
+    W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(W_in):
         for _ in range(iters):
@@ -318,9 +319,7 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, 
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     history = [calibration_error(mlp, X, Y, chunk) / YY]
     best_error, best = history[0], mlp.clone()
-    weights, biases = [*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out]
-    params = [*weights, *(b for b in biases if b is not None)]
-    opt = adam(params, lr, lr_scale, like=[*weights, *(W for W, b in zip(weights, biases) if b is not None)])
+    params, opt = adam([*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out], lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with trainable(params):
         for _ in range(rounds):
