@@ -5,6 +5,7 @@
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
     python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
+    python bench/readme_table.py --check results/ablation.csv         # exit 1 if README's blocks are stale
 """
 from __future__ import annotations
 
@@ -86,20 +87,32 @@ RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile"
              "profile_slicegpt": render_profile}
 
 
-def main(csv: str) -> None:
+def render_readme(csv: str, text: str) -> str:
+    """README text with every block rendered from `csv` replaced by a fresh rendering."""
     kind = max((k for k in RENDERERS if Path(csv).stem.startswith(k)), key=len, default=None)  # the longest match
     if kind is None:
         raise SystemExit(f"{csv}: no README table is rendered from it (known: {', '.join(RENDERERS)})")
     more = {"results": render_sweep, "table5": render_table5} if kind == "ablation" else {}
     blocks = {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
-    text = README.read_text()
     for name, body in blocks.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
         if start not in text:
             raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
         text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
-    write_text_atomic(README, text)
+    return text
+
+
+def main(argv: list[str]) -> None:
+    check = "--check" in argv
+    (csv,) = [a for a in argv if a != "--check"]
+    text = README.read_text()
+    fresh = render_readme(csv, text)
+    if check:
+        if fresh != text:  # a committed result changed without its README table (or the README was hand-edited)
+            raise SystemExit(f"README.md's tables are stale for {csv}: run python bench/readme_table.py {csv}")
+        return
+    write_text_atomic(README, fresh)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

@@ -3,6 +3,7 @@ import ast
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,11 @@ def test_saved_notebook_defaults_are_the_papers_settings():
     assert defaults("05_profile.ipynb")["new_tokens"] == "1024"
     smoke = yaml.safe_load((Path(__file__).parents[1] / "configs" / "smoke.yaml").read_text())
     assert smoke["nsamples"] <= 8 and smoke["eval_windows"] <= 4 and smoke["limit"] <= 4 and smoke["new_tokens"] <= 8
+
+
+@pytest.mark.parametrize("name", sorted(RESULT_COLUMNS))
+def test_readme_tables_are_rendered_from_the_committed_results(name):
+    """Every README table between markers is what bench/readme_table.py renders from results/ today."""
+    out = subprocess.run([sys.executable, "bench/readme_table.py", "--check", f"results/{name}"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
