@@ -32,10 +32,16 @@ def render_sweep(csv: str) -> str:
     cell = ["model", "calib", "label", "sparsity"]
     ppl = df.pivot_table(index=cell, columns="eval", values="ppl")
     first = df.drop_duplicates(cell).set_index(cell)
-    table = ppl.join(first[["achieved_sparsity", "mlp_channel_ratio", "prune_seconds", "device"]]).reset_index()
-    table = table.rename(columns={"label": "method"})
+    if "resumed_at_layer" not in first:  # a table written before the column
+        first = first.assign(resumed_at_layer=0)
+    extra = ["achieved_sparsity", "mlp_channel_ratio", "prune_seconds", "device", "resumed_at_layer"]
+    table = ppl.join(first[extra]).reset_index().rename(columns={"label": "method"})
     digits = {**{c: 2 for c in ppl.columns}, "achieved_sparsity": 4, "mlp_channel_ratio": 4, "prune_seconds": 0}
     table = table.round(digits).astype(object)
+    # A resumed cell's time is of the layers its last process pruned: say so next to the number.
+    resumed = pd.to_numeric(table.pop("resumed_at_layer"), errors="coerce").fillna(0)
+    table["prune_seconds"] = [f"{t:.0f}" + (f" (layers {int(k)}+)" if k > 0 else "")
+                              for t, k in zip(table["prune_seconds"], resumed)]
     return table.where(table.notna(), "").to_markdown(index=False)
 
 

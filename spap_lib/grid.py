@@ -177,7 +177,10 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         "achieved_sparsity": sp.get("achieved_decoder", 0.0), "achieved_total": sp.get("achieved_total", 0.0),
         "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
         "uniform_width": not isinstance(widths, list), "propagate": report["propagate"] if report else None,
+        # A cell resumed from an earlier process's saved layers records this process's time only, and the
+        # first layer it pruned itself: the row must not read as the time of a whole prune.
         "prune_seconds": report["seconds"] if report else 0.0,
+        "resumed_at_layer": report.get("resumed_at_layer", 0) if report else 0,
         # the process's peak during the prune (the grid also holds the pristine and dense copies)
         "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
         "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,

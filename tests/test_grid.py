@@ -199,3 +199,5 @@ def test_a_grid_cell_interrupted_mid_way_resumes_by_layer(tiny_tokenizer, window
     monkeypatch.setattr(FASP, "prune", lambda self, p: layers.append(p.layer_index) or real(self, p))
     table = run_grid(g, [Variant.parse("fasp")], [0.2], [16], 2, tmp_path / "t.csv")
     assert layers == [2] and not saved.exists() and list(table["label"]) == ["dense", "fasp"]
+    # the row says its time is of layers 2.. only (the first process's layers ran before it)
+    assert list(table["resumed_at_layer"]) == [0, 2]
