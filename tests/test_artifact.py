@@ -146,3 +146,21 @@ def test_readme_tables_are_rendered_from_the_committed_results(name):
     out = subprocess.run([sys.executable, "bench/readme_table.py", "--check", f"results/{name}"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path, monkeypatch):
+    """A cell finished by a later process records that process's time only: the sweep table says so."""
+    import pandas as pd
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from readme_table import render_sweep
+
+    table = pd.read_csv(REPO / "results" / "ablation.csv", keep_default_na=False)
+    table = table[table["model"] == "smollm2-135m"].astype({"resumed_at_layer": str})
+    table["resumed_at_layer"] = ["7" if (m, s) == ("spap", 0.2) else ""
+                                 for m, s in zip(table["label"], table["sparsity"])]
+    table.to_csv(tmp_path / "a.csv", index=False)
+    rows = [r for r in render_sweep(str(tmp_path / "a.csv")).splitlines() if "smollm2-135m" in r]
+    labelled = [r for r in rows if "(layers" in r]
+    seconds = table.loc[(table["label"] == "spap") & (table["sparsity"] == 0.2), "prune_seconds"].iloc[0]
+    assert len(labelled) == 1 and "| spap " in labelled[0] and f"{seconds:.0f} (layers 7+)" in labelled[0]
