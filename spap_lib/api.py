@@ -335,7 +335,8 @@ def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsit
             "achieved_total": 1 - after["total"] / before["total"],
         },
         "params": {"dense": before, "pruned": after},
-        "seconds": run["seconds"], "offload": loaded.offload, "precision": "float64", "memory": memory,
+        "seconds": run["seconds"], "resumed_at_layer": 0,  # a whole-model method runs in one process (no resume)
+        "offload": loaded.offload, "precision": "float64", "memory": memory,
         "layers": run["layers"], "slicing": run["plan"],
     }
 

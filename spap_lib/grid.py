@@ -180,7 +180,7 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         # A cell resumed from an earlier process's saved layers records this process's time only, and the
         # first layer it pruned itself: the row must not read as the time of a whole prune.
         "prune_seconds": report["seconds"] if report else 0.0,
-        "resumed_at_layer": report.get("resumed_at_layer", 0) if report else 0,
+        "resumed_at_layer": report["resumed_at_layer"] if report else 0,
         # the process's peak during the prune (the grid also holds the pristine and dense copies)
         "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
         "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,
