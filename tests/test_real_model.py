@@ -74,7 +74,12 @@ def test_committed_headline_cells_reproduce():
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.test.raw").is_file():
         pytest.skip("WikiText-2 not in SPAP_DATA_DIR")
     table = pd.read_csv(REPO / "results" / "ablation.csv")
-    cells = table[(table["model"] == "smollm2-135m") & (table["eval_seqlen"] == 512)].set_index(["label", "sparsity"])
+    # The grid's protocol only (32 x 512 calibration): the calibration-size study adds 128 x 512 rows of
+    # the same labels, and a duplicate cell would make .loc return a Series, not a row.
+    grid = table[(table["model"] == "smollm2-135m") & (table["eval_seqlen"] == 512)
+                 & (table["nsamples"] == 32) & (table["seqlen"] == 512)]
+    cells = grid.set_index(["label", "sparsity"])
+    assert cells.index.is_unique, "results/ablation.csv holds the same SmolLM2 32 x 512 cell twice"
     dense_row, fasp_row = cells.loc[("dense", 0.0)], cells.loc[("fasp", 0.2)]
     loaded = sl.load("smollm2-135m", device="cpu")
     ids = tokenize(loaded.tokenizer, sl.wikitext("test").text)
