@@ -70,16 +70,15 @@ def render_table5(csv: str) -> str:
 
 
 def render_zeroshot(csv: str) -> str:
-    """Table 3: perplexities, then accuracy (%) per task with the metric the paper reports, and the mean;
-    the header says how many examples per task were scored."""
+    """Table 3: perplexities, then accuracy (%) ± lm-eval's standard error per task with the metric the
+    paper reports, and the mean; one row per checkpoint and number of examples scored per task."""
     from spap_lib.zeroshot import table3
 
-    df = pd.read_csv(csv)
-    limit = df["limit"].dropna().unique()
-    table = table3(df).reset_index()
-    table.columns = [c.replace("ppl@", "ppl @ ") for c in table.columns]
-    note = f"limit {', '.join(str(int(x)) for x in limit)} examples per task" if len(limit) else "every example"
-    return f"({note}; accuracy in %)\n\n" + table.to_markdown(index=False)
+    table = table3(pd.read_csv(csv), stderr=True).reset_index()
+    table["limit"] = ["all" if x < 0 else str(int(x)) for x in table["limit"]]
+    table = table.rename(columns={"limit": "examples"}).rename(columns=lambda c: c.replace("ppl@", "ppl @ "))
+    return ("(accuracy in %, ± lm-eval's standard error; `examples`: per task, `all` = the whole split)\n\n"
+            + table.to_markdown(index=False))
 
 
 def render_profile(csv: str) -> str:

@@ -120,14 +120,30 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
     return rows
 
 
-def table3(table):
+def table3(table, stderr: bool = False):
     """The paper's Table 3 layout from tidy rows: perplexities, then per-task accuracy (%, the task's
-    ``SUMMARY_METRIC``) and their mean, one row per (model, method, sparsity)."""
-    index = ["model", "method", "sparsity"]
+    ``SUMMARY_METRIC``) and their mean, one row per (model, method, sparsity, limit).
+
+    ``limit`` is part of the key: the same checkpoint scored on 100 examples per task and on the whole
+    splits gives two rows, never an average of both. With ``stderr`` the accuracies are strings
+    "acc ± stderr" (lm-eval's standard error, in points); the mean's is that of a mean of six independent
+    estimates, sqrt(sum stderr²) / 6.
+    """
+    import numpy as np
+    import pandas as pd
+
+    index = ["model", "method", "sparsity"] + (["limit"] if "limit" in table.columns else [])
     zs = table[table["task"].isin(list(TASKS))]
     picked = zs[[SUMMARY_METRIC[t] == m for t, m in zip(zs["task"], zs["metric"])]]
-    acc = picked.pivot_table(index=index, columns="task", values="value") * 100
-    acc = acc[[t for t in TASKS if t in acc.columns]]
+    tasks = [t for t in TASKS if t in set(picked["task"])]
+    acc = picked.pivot_table(index=index, columns="task", values="value")[tasks] * 100
     acc["mean"] = acc.mean(axis=1)
-    ppl = table[table["task"] == "wikitext2"].pivot_table(index=index, columns="metric", values="value")
-    return (ppl.join(acc, how="outer") if len(ppl) else acc).round(2)
+    if stderr:
+        se = picked.pivot_table(index=index, columns="task", values="stderr").reindex(index=acc.index, columns=tasks) * 100
+        se["mean"] = np.sqrt((se**2).sum(axis=1, min_count=len(tasks))) / len(tasks)
+        acc = acc.combine(se, lambda a, e: pd.Series(
+            [f"{x:.2f}" if np.isnan(y) else f"{x:.2f} ± {y:.2f}" for x, y in zip(a, e)], index=a.index))
+    else:
+        acc = acc.round(2)
+    ppl = table[table["task"] == "wikitext2"].pivot_table(index=index, columns="metric", values="value").round(2)
+    return ppl.join(acc, how="outer") if len(ppl) else acc

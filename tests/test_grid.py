@@ -94,6 +94,29 @@ def test_table5_lists_the_ablated_cells_with_their_increase_over_dense(tmp_path)
     assert t.loc[("128×512", 0.2), "spap_gd"] == "24.00 (+20.0%)"  # dense is the same model and test windows
 
 
+def test_table3_keeps_each_number_of_examples_apart_and_carries_the_stderr():
+    """The same checkpoint scored on 100 examples per task and on the whole splits is two rows of Table 3,
+    never their average; the mean's standard error is that of a mean of independent task estimates."""
+    from spap_lib.zeroshot import SUMMARY_METRIC, table3
+
+    rows = []
+    for limit, acc, se in ((100, 0.50, 0.05), (-1, 0.40, 0.01)):
+        for task, metric in SUMMARY_METRIC.items():
+            rows.append({"model": "m", "method": "spap", "sparsity": 0.2, "task": task, "metric": metric,
+                         "value": acc, "stderr": se, "limit": limit})
+            other = "acc_norm" if metric == "acc" else "acc"  # the long table's other metric is not averaged in
+            rows.append({**rows[-1], "metric": other, "value": 0.99})
+        rows.append({"model": "m", "method": "spap", "sparsity": 0.2, "task": "wikitext2", "metric": "ppl@2048",
+                     "value": 30.0 + limit, "stderr": float("nan"), "limit": limit})
+    df = pd.DataFrame(rows)
+    t = table3(df)
+    assert t.loc[("m", "spap", 0.2, 100), "mean"] == 50.0 and t.loc[("m", "spap", 0.2, -1), "mean"] == 40.0
+    assert t.loc[("m", "spap", 0.2, -1), "ppl@2048"] == 29.0
+    s = table3(df, stderr=True)
+    assert s.loc[("m", "spap", 0.2, -1), "piqa"] == "40.00 ± 1.00"
+    assert s.loc[("m", "spap", 0.2, 100), "mean"] == f"50.00 ± {(6 * 5.0**2) ** 0.5 / 6:.2f}"  # 2.04
+
+
 def test_layer_plot_draws_what_each_method_records():
     import matplotlib.pyplot as plt
 
