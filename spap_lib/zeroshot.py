@@ -90,9 +90,29 @@ def local_configs(tasks: list[str], out_dir: str | Path, root: Path | None = Non
     return names
 
 
+def fingerprint(model, sample: int = 4096) -> str:
+    """A short hash of a model's weights: every tensor's name, shape and dtype and a strided sample of
+    ``sample`` of its values. It names the model's lm-eval request cache, so cached answers are only
+    ever reused by the same weights (a pruned model differs in shapes, a refit one in values), at a
+    cost independent of the model's size."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+        h.update(flat[:: max(1, flat.numel() // sample)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 1,
-             hub: bool = False, seed: int = 0) -> list[dict]:
-    """Tidy rows ``{task, metric, value, stderr, n, source}`` for every metric lm-eval reports."""
+             hub: bool = False, seed: int = 0, cache_dir: str | Path | None = None) -> list[dict]:
+    """Tidy rows ``{task, metric, value, stderr, n, source}`` for every metric lm-eval reports.
+
+    ``cache_dir``: keep every answered request in ``<cache_dir>/<fingerprint>_rank0.db`` (lm-eval's
+    request cache, committed request by request), so an interrupted evaluation of the same weights
+    resumes where it stopped; None: no cache.
+    """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -105,7 +125,8 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         out = simple_evaluate(model=lm, tasks=list(names.values()), task_manager=manager, limit=limit,
                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                              fewshot_random_seed=seed, log_samples=False)
+                              fewshot_random_seed=seed, log_samples=False,
+                              use_cache=str(Path(cache_dir) / fingerprint(model)) if cache_dir else None)
     rows = []
     for task, name in names.items():
         res = out["results"][name]
@@ -118,6 +139,21 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
                              "stderr": float(stderr) if isinstance(stderr, (int, float)) else float("nan"),
                              "n": n, "source": "local" if name.startswith(LOCAL_PREFIX) else "hub"})
     return rows
+
+
+def score(loaded, eval_seqlens: list[int], eval_windows: int | None, tasks: list[str], limit: int | None = None,
+          batch_size: int = 1, hub: bool = False, seed: int = 0, cache_dir: str | Path | None = None) -> list[dict]:
+    """Table 3's rows for one loaded model: WikiText-2 perplexity at each of ``eval_seqlens`` (first
+    ``eval_windows`` test windows; None: all), then zero-shot accuracy on ``tasks``."""
+    from .evaluate import perplexity
+
+    rows = []
+    for s in eval_seqlens:
+        ppl = perplexity(loaded.model, loaded.tokenizer, s, eval_windows)
+        rows.append({"task": "wikitext2", "metric": f"ppl@{s}", "value": ppl["ppl"], "stderr": float("nan"),
+                     "n": ppl["windows"], "source": ppl["source"]})
+    return rows + evaluate(loaded.model, loaded.tokenizer, tasks, limit=limit, batch_size=batch_size, hub=hub,
+                           seed=seed, cache_dir=cache_dir)
 
 
 def table3(table, stderr: bool = False):

@@ -98,6 +98,8 @@ def test_evaluate_dense_and_pruned(smoke_run):
     assert acc["value"].between(0, 1).all() and (acc["n"] == 4).all() and set(acc["source"]) == {"local"}
     ppl = zs[zs["task"] == "wikitext2"].set_index("method")["value"]
     assert math.isclose(ppl["dense"], dense["perplexity"]["ppl"], rel_tol=1e-6)
+    # one request cache per model, named by its weights (resume=True, the default): two distinct fingerprints
+    assert len(list((run / "lm_cache").glob("*_rank0.db"))) == 2
 
 
 @pytest.mark.slow
