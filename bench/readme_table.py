@@ -77,6 +77,7 @@ def render_zeroshot(csv: str) -> str:
     table = table3(pd.read_csv(csv), stderr=True).reset_index()
     table["limit"] = ["all" if x < 0 else str(int(x)) for x in table["limit"]]
     table = table.rename(columns={"limit": "examples"}).rename(columns=lambda c: c.replace("ppl@", "ppl @ "))
+    table = table.astype(object).where(table.notna(), "")  # a protocol a run did not score is blank, not nan
     return ("(accuracy in %, ± lm-eval's standard error; `examples`: per task, `all` = the whole split)\n\n"
             + table.to_markdown(index=False))
 
