@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     for i in layers:
         dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
         Y_held = dense(X_held[i]).detach()
-        problem = LayerProblem(dense, X_fit[i], n_remove, seed=0, layer_index=i)
+        problem = LayerProblem.of(spap, dense, X_fit[i], n_remove, seed=0, layer_index=i)
         for v in variants:
             t0 = time.perf_counter()
             res = sl.get_method(v.method, **v.hparams).prune(problem)

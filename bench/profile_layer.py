@@ -31,6 +31,8 @@ STAGES = [
     (linalg, "solve_spd", "Cholesky solves"),
     (spap_mod, "adam_steps_on", "Adam steps"),
     (spap_mod, "calibration_error", "error evaluations"),
+    (spap_mod, "reconstruction_error", "errors from Gram statistics"),
+    (linalg, "gram_and_outputs", "dense Gram pass with the targets"),
 ]
 
 
@@ -83,11 +85,13 @@ def main(argv=None) -> None:
     plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
     rows = []
     for name in args.methods.split(","):
-        problem = LayerProblem(loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove, layer_index=args.layer)
+        method = sl.get_method(name)
+        problem = LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
+                                  layer_index=args.layer)
         totals: dict = defaultdict(float)
         t0 = time.perf_counter()
         with timed(totals):
-            sl.get_method(name).prune(problem)
+            method.prune(problem)
         total = time.perf_counter() - t0
         rows += [{"method": name, "stage": label, "seconds": sec} for label, sec in totals.items()]
         rows.append({"method": name, "stage": "other (penalty loop bookkeeping, selection, copies)",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.figures import ABSOLUTE_LR
+from spap_lib.figures import UPDATES
 from spap_lib.io import write_text_atomic
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -25,7 +25,7 @@ def render_sweep(csv: str) -> str:
     """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
     df = pd.read_csv(csv, keep_default_na=False)
-    df = df[df["label"].isin(["dense", "spap", "spap" + ABSOLUTE_LR])]
+    df = df[df["label"].isin(["dense", *("spap" + u for u in UPDATES)])]
     df = df.assign(calib=[f"{n}×{s}" for n, s in zip(df["nsamples"], df["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
                          for s, w in zip(df["eval_seqlen"], df["eval_windows"])])

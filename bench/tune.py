@@ -110,7 +110,7 @@ def main(argv=None) -> None:
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             t0 = time.perf_counter()
-            res = method.prune(LayerProblem(dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
+            res = method.prune(LayerProblem.of(method, dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
             secs = time.perf_counter() - t0
             Y = dense(X_held[i])
             err = float((res.mlp(X_held[i]) - Y).pow(2).sum() / Y.pow(2).sum())

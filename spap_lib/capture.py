@@ -125,13 +125,16 @@ def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Ten
 
 
 @contextmanager
-def capture_inputs(module: nn.Module):
-    """Collect the first positional input of every call to ``module`` (flattened to tokens)."""
+def capture_inputs(module: nn.Module, stop: bool = False):
+    """Collect the first positional input of every call to ``module`` (flattened to tokens); with
+    ``stop``, end the forward pass there (``_Stop``): what comes after ``module`` is not computed."""
     store: list[torch.Tensor] = []
 
     def hook(_module, args):
         x = args[0]
         store.append(x.reshape(-1, x.shape[-1]).detach())
+        if stop:
+            raise _Stop
 
     handle = module.register_forward_pre_hook(hook)
     try:
@@ -142,7 +145,7 @@ def capture_inputs(module: nn.Module):
 
 @torch.no_grad()
 def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
-           device=None, store=None, finite: str | None = None):
+           device=None, store=None, finite: str | None = None, outputs: bool = True):
     """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
 
     Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
@@ -150,7 +153,18 @@ def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int
     ``device``, ``hidden`` may wait elsewhere (host memory, a spill file): each batch is moved there;
     the outputs go batch by batch into ``store(shape, dtype)`` (default: where ``hidden`` is). With
     ``finite`` (what the outputs are, for the message), every output batch is checked for NaN/Inf.
+    ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None (a pipeline
+    that recomputes them through the pruned layer skips the dense MLP's work).
     """
+    if watch is not None and not outputs:
+        with capture_inputs(watch, stop=True) as seen:
+            for start in range(0, hidden.shape[0], batch_size):
+                h = hidden[start:start + batch_size]
+                try:
+                    run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+                except _Stop:
+                    pass
+        return None, torch.cat(seen)
     if watch is None:
         out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
         for start in range(0, hidden.shape[0], batch_size):

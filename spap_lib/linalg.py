@@ -4,8 +4,8 @@ All least-squares problems here have the form ``min_W ||Y - W Z||_F^2`` with ``Z
 inputs of the MLP's output projection (the paper's symbols: ``X`` are the MLP's inputs). They only
 need ``H = Z Zᵀ`` and ``Y Zᵀ``, accumulated over token chunks by ``gram``, so nothing of size N is kept.
 
-Precision follows ``H``: a method's ``precision`` ("float64" default, or "float32") sets the dtype the
-Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM activations span many
+Precision follows ``H``: a method's ``precision`` ("float64", "float32", "tf32"; "auto" resolves per
+device) sets the dtype the Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM activations span many
 orders of magnitude, so float32 solves are Jacobi-scaled (unit diagonal) and fall back to float64
 where the Cholesky factorization still fails. float64 is exact-as-before; float32 is what consumer
 GPUs run fast (fp64 there is 1/64 of fp32). ``tf32`` is float32 whose matrix products on CUDA run
@@ -42,20 +42,54 @@ def check_finite(H: torch.Tensor, what: str) -> None:
         )
 
 
-def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64):
+@contextmanager
+def products(low: bool, device: torch.device):
+    """Matrix products of the block with bfloat16 inputs when ``low`` (``torch.autocast``; the kernels
+    accumulate in float32), else as they are. bf16 products run 4-5x the float32 rate on a CPU with
+    AVX512-BF16 (bench/results/throughput) and 2x TF32's on an H100; used where an approximate
+    product is later corrected (the update's intermediate rounds), never for a final fit."""
+    if not low:
+        yield
+        return
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+        yield
+
+
+def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
+         low: bool = False):
     """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
     ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias): float32
-    products of each chunk, summed in ``dtype``."""
+    products of each chunk, summed in ``dtype``. With ``low``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products
+    (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of the rounded ``Z``, so it is still positive
+    semidefinite (a bf16-rounded Gram matrix is not, and its damped Cholesky can fail)."""
     bias = mlp.b_out is not None
     n = mlp.width + bias
     H = torch.zeros(n, n, dtype=dtype, device=X.device)
     YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=X.device)
     for start in range(0, X.shape[0], chunk):
-        Z = augment(mlp.hidden(X[start:start + chunk].float()), bias)
+        with products(low, X.device):
+            Z = mlp.hidden(X[start:start + chunk].float())
+        Z = augment(Z.float(), bias)
         H += (Z.T @ Z).to(dtype)
         if Y is not None:
-            YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
+            with products(low, X.device):
+                YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
     return H if Y is None else (H, YZ)
+
+
+def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torch.float64):
+    """``H = Z̃ Z̃ᵀ`` and the outputs ``Y = mlp(X)`` (in ``X``'s dtype) from one pass: each chunk's ``Z``
+    serves both, so the targets cost one product with the output projection instead of a second forward."""
+    bias = mlp.b_out is not None
+    n = mlp.width + bias
+    H = torch.zeros(n, n, dtype=dtype, device=X.device)
+    Y = torch.empty(X.shape[0], mlp.W_out.shape[0], dtype=X.dtype, device=X.device)
+    for start in range(0, X.shape[0], chunk):
+        Z = mlp.hidden(X[start:start + chunk].float())
+        Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out)
+        Z = augment(Z, bias)
+        H += (Z.T @ Z).to(dtype)
+    return H, Y
 
 
 def sq_norm(Y: torch.Tensor, chunk: int = 8192) -> float:
@@ -73,12 +107,12 @@ PRECISION_CHOICES = ("auto", *PRECISIONS)
 
 
 def resolve_precision(precision: str, device) -> str:
-    """``auto``: float64 on a CPU (exact as before; fp64 costs 1.5x fp32 there), tf32 on CUDA (measured
-    on an H100: half the time of a LLaMA-3.1-8B layer, SmolLM2's perplexity within 0.04% of float64's;
-    bench/results/offload_gpu_h100.md)."""
+    """``auto``: float32 on a CPU (float64 solves cost 1.6x float32's there, and SmolLM2 kept the same
+    channels and perplexity, bench/results/precision.md), tf32 on CUDA (measured on an H100: half the time
+    of a LLaMA-3.1-8B layer, SmolLM2's perplexity within 0.04% of float64's; bench/results/offload_gpu_h100.md)."""
     if precision != "auto":
         return precision
-    return "tf32" if torch.device(device).type == "cuda" else "float64"
+    return "tf32" if torch.device(device).type == "cuda" else "float32"
 
 
 @contextmanager

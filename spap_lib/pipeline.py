@@ -15,7 +15,7 @@ from tqdm import tqdm
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec, check_sparsity
-from .linalg import PRECISIONS, NumericalError, check_finite, matmul_precision, nonfinite_parameters, resolve_precision
+from .linalg import NumericalError, check_finite, matmul_precision, nonfinite_parameters, resolve_precision
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .onload import Onloader
@@ -225,13 +225,12 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
                 if bad:
                     raise NumericalError(f"layer {i}'s weights are not finite ({'; '.join(bad[:5])}): the model files "
                                          "are damaged; spap cannot prune them")
+            # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP.
             out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
-                            device=onloader.device, store=onloader.activations)
+                            device=onloader.device, store=onloader.activations, outputs=not propagate)
             check_finite(X, f"layer {i}: the MLP inputs")
-            problem = LayerProblem(
-                dense=adapter.get_mlp(layer), X=X, n_remove=removals[i], chunk=chunk, seed=seed,
-                layer_index=i, dtype=PRECISIONS[precision],
-            )
+            problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device, chunk=chunk,
+                                      seed=seed, layer_index=i)
             # A layer whose output no channel affects (all-zero activations or output projection) has
             # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
             with matmul_precision(precision):
@@ -240,7 +239,6 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             adapter.set_mlp(layer, result.mlp)
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
             if propagate:
-                del out  # the dense outputs are not needed: keep at most two activation copies alive
                 out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device,
                              store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer")[0]
             onloader.finished(i)

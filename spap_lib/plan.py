@@ -44,6 +44,7 @@ import torch
 from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
 from .evaluate import LOSS_CHUNK
+from .linalg import resolve_precision
 from .onload import check_offload
 
 HERE = Path(__file__).resolve().parent
@@ -207,7 +208,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     rates = THROUGHPUT[device]["flops_per_second"]
     gpu = not device.startswith("cpu")
     b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    precision = ("tf32" if gpu else "float64") if algo.precision == "auto" else algo.precision  # as resolve_precision
+    precision = resolve_precision(algo.precision, "cuda" if gpu else "cpu")
     p = 8 if precision == "float64" else 4
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
@@ -266,18 +267,28 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     if fits_ls:
         io_ = c["in_proj"]
         gram = 2 * io_ * N * d * n + 2 * N * n * n
-        seconds["dense Gram pass"] = L * (gram + 2 * (io_ + 1) * N * d * n) / mm32  # + the targets Y
+        targets = 2 * N * d * n if algo.uses_targets else 0  # Y = W Z from the same pass (``gram_and_outputs``)
+        seconds["dense Gram pass"] = L * (gram + targets) / mm32
         K = hp.get("K", 0)
         seconds["penalty / refit solves"] = L * (K + 1) * ((n + 1) ** 3 / 3 + 2 * (n + 1) ** 2 * d) / chol
         rounds, steps, batch = hp.get("am_iters", 0), hp.get("adam_steps", 0), hp.get("batch_tokens", 0)
         if rounds:
+            low = hp.get("update_precision") == "bf16"
+            mm_low = rates["matmul_bf16"] if low else mm32  # the rounds' products (``linalg.products``)
+            Nr = min(hp.get("sketch_tokens") or N, N)  # the rounds' token sample
+            refit = Nr < N or low  # the best round refitted on every token at the method's precision
             adam = rounds * steps * min(batch, N) * 6 * (io_ + 1) * d * n_keep  # forward + backward
-            seconds["Adam steps"] = L * adam / mm32
-            per_round = (2 * io_ * N * d * n_keep + 2 * N * n_keep**2 + 2 * N * d * n_keep) if algo.name == "spap" \
-                else 2 * (io_ + 1) * N * d * n_keep  # spap_gd: a forward pass for the error
-            seconds["alternating rounds (Gram / error)"] = L * rounds * per_round / mm32
+            seconds["Adam steps"] = L * adam / mm_low
+            forward = 2 * (io_ + 1) * d * n_keep  # per token: the pruned MLP
+            if algo.name == "spap":  # Z and Y Zᵀ in the rounds' precision, Z Zᵀ in float32 (``gram``)
+                per_round = (2 * io_ * Nr * d * n_keep + 2 * Nr * d * n_keep) / mm_low + 2 * Nr * n_keep**2 / mm32
+                final = (2 * io_ * N * d * n_keep + 2 * N * d * n_keep + 2 * N * n_keep**2) / mm32 if refit else 0
+            else:  # spap_gd: a forward pass for the error
+                per_round, final = Nr * forward / mm_low, (N * forward / mm32 if refit else 0)
+            seconds["alternating rounds (Gram / error)"] = L * (rounds * per_round + final)
             if algo.name == "spap":
-                seconds["alternating rounds (solves)"] = L * rounds * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
+                seconds["alternating rounds (solves)"] = \
+                    L * (rounds + refit) * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
     elif algo.whole_model:  # SliceGPT: per block three float64 PCA Gram sums (d x d) and eigendecompositions
         seconds["PCA (float64 Gram sums, eigh)"] = L * 3 * (2 * N * d * d + 9 * d**3) / chol
     else:

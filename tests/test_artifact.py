@@ -155,13 +155,16 @@ def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path, mo
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     from readme_table import render_sweep
 
+    from spap_lib.figures import PAPER_UPDATE
+
     table = pd.read_csv(REPO / "results" / "ablation.csv", keep_default_na=False)
     # one calibration size: the calibration-size study adds a second SmolLM2 spap 20% cell (128 x 512)
     table = table[(table["model"] == "smollm2-135m") & (table["nsamples"].astype(int) == 32)].astype({"resumed_at_layer": str})
-    table["resumed_at_layer"] = ["7" if (m, s) == ("spap", 0.2) else ""
+    label = "spap/" + PAPER_UPDATE  # a SPAP cell of this protocol
+    table["resumed_at_layer"] = ["7" if (m, s) == (label, 0.2) else ""
                                  for m, s in zip(table["label"], table["sparsity"])]
     table.to_csv(tmp_path / "a.csv", index=False)
     rows = [r for r in render_sweep(str(tmp_path / "a.csv")).splitlines() if "smollm2-135m" in r]
     labelled = [r for r in rows if "(layers" in r]
-    seconds = table.loc[(table["label"] == "spap") & (table["sparsity"] == 0.2), "prune_seconds"].iloc[0]
-    assert len(labelled) == 1 and "| spap " in labelled[0] and f"{seconds:.0f} (layers 7+)" in labelled[0]
+    seconds = table.loc[(table["label"] == label) & (table["sparsity"] == 0.2), "prune_seconds"].iloc[0]
+    assert len(labelled) == 1 and f"| {label} " in labelled[0] and f"{seconds:.0f} (layers 7+)" in labelled[0]

@@ -113,7 +113,8 @@ def test_without_propagation_layers_see_dense_activations(loaded, windows):
     layer = ad.layers()[last]
     _, X = replay(layer, hidden, {4: kwargs[4][last]}, 4, watch=ad.mlp_input_module(layer))
     plan = sl.plan_sparsity(ad, 0.3)
-    expected = sl.get_method("spap", **hp).prune(LayerProblem(ad.get_mlp(layer), X.float(), plan.n_remove))
+    method = sl.get_method("spap", **hp)
+    expected = method.prune(LayerProblem.of(method, ad.get_mlp(layer), X.float(), plan.n_remove))
     assert report["kept_channels"][last] == expected.keep.tolist()
 
 

@@ -38,7 +38,7 @@ def test_memory_terms_follow_their_formulas():
     auto = plan("llama-3.1-8b", device="rtx4090", nsamples=64, offload="none")
     assert auto.memory_gb["Gram + factor (3 n²)"] == pytest.approx(fp32.memory_gb["Gram + factor (3 n²)"])
     assert plan("llama-3.1-8b", device="cpu-2core", nsamples=64, offload="none").memory_gb["Gram + factor (3 n²)"] \
-        == pytest.approx(base.memory_gb["Gram + factor (3 n²)"])  # auto is float64 on a CPU
+        == pytest.approx(fp32.memory_gb["Gram + factor (3 n²)"])  # auto is float32 on a CPU too
     assert "Gram + factor (3 n²)" not in score.memory_gb and score.total_seconds < base.total_seconds / 10
 
 
@@ -136,7 +136,7 @@ def test_the_papers_settings_on_a_cpu_name_the_measured_cpu_setting():
 
     job = sl.check_run("smollm2-135m", method="spap", sparsity=0.2, nsamples=128, seqlen=2048, eval_seqlen=2048,
                        eval_windows=None, device="cpu")
-    assert job.memory_time.total_seconds > 3600
+    assert job.memory_time.total_seconds > 1800
     assert "On this CPU the plan estimates" in job.summary() and "configs/offline.yaml" in job.summary()
     small = sl.check_run("smollm2-135m", method="spap", sparsity=0.2, nsamples=8, seqlen=256, eval_seqlen=128,
                          eval_windows=4, device="cpu")

@@ -16,7 +16,7 @@ import torch
 from .. import allocation as alloc
 from ..adapters import MLP
 from ..checks import ParameterError, check_fields
-from ..linalg import check_finite, gram
+from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, resolve_precision
 
 
 @dataclass
@@ -35,6 +35,16 @@ class LayerProblem:
     seed: int = 0
     layer_index: int = 0
     dtype: torch.dtype = torch.float64  # Gram accumulation and solves (the method's ``precision``)
+    # The method will ask for the dense targets ``Y`` (``Method.uses_targets``): then the first of ``H``
+    # and ``Y`` to be asked for computes both in one pass over the tokens.
+    targets: bool = False
+
+    @classmethod
+    def of(cls, method: "Method", dense: MLP, X: torch.Tensor, n_remove: int, device=None, **kw) -> "LayerProblem":
+        """The problem as ``method`` will see it: Gram sums and solves in its precision resolved for
+        ``device`` (default: that of ``X``), and its targets computed in the Gram pass when it uses them."""
+        precision = resolve_precision(method.precision, X.device if device is None else device)
+        return cls(dense, X, n_remove, dtype=PRECISIONS[precision], targets=method.uses_targets, **kw)
 
     @property
     def has_bias(self) -> bool:
@@ -44,14 +54,26 @@ class LayerProblem:
     def Y(self) -> torch.Tensor:
         """Dense outputs ``[N, d]`` in the dtype of ``X`` (the Adam steps need them per token): one
         copy, computed a chunk at a time; recomputing them per step would cost a dense forward each."""
+        if self.targets and "H" not in self.__dict__:
+            self._dense_pass()
+            return self.__dict__["Y"]
         return torch.cat([self.dense(x.float()).to(self.X.dtype) for x in self.X.split(self.chunk)])
 
     @cached_property
     def H(self) -> torch.Tensor:
         """Gram matrix ``Z̃ Z̃ᵀ`` of the dense intermediate activations (``Z̃ = [Z; 1]`` with bias)."""
+        if self.targets and "Y" not in self.__dict__:
+            self._dense_pass()
+            return self.__dict__["H"]
         H = gram(self.dense, self.X, self.chunk, dtype=self.dtype)
         check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
         return H
+
+    def _dense_pass(self) -> None:
+        """``H`` and ``Y`` from one pass (``gram_and_outputs``: the same numbers as computing each alone)."""
+        H, Y = gram_and_outputs(self.dense, self.X, self.chunk, dtype=self.dtype)
+        check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
+        self.__dict__.update(H=H, Y=Y)
 
     @property
     def nothing_to_fit(self) -> bool:
@@ -98,6 +120,9 @@ class Method:
     # Whether weights are refitted by least squares on calibration activations (then too few
     # calibration tokens make the fit underdetermined, which ``api.prune`` warns about).
     fits: ClassVar[bool] = True
+    # Whether ``prune`` uses the dense targets ``Y`` per token (the update's Adam steps): the pipeline then
+    # has ``LayerProblem`` compute them in the Gram pass.
+    uses_targets: ClassVar[bool] = False
     # How the channel budget may be spread over layers: the ones a method offers, and its choice (a
     # hyperparameter field in methods that offer more than one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)

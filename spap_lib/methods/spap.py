@@ -35,19 +35,26 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
 * The hard mask breaks ties in ``s`` by the final score (lowest removed first).
 * The s-step marks the λ lowest scores of the current iterate (``threshold="top"``); Alg. 1 as printed
   compares them with ``Top_{n−λ}`` of the previous iteration's scores (``threshold="previous"``).
-* ``precision="auto"``: float64 on a CPU; on CUDA float32 Gram sums and Jacobi-scaled float32 solves
-  with TF32 products (``linalg``), the fit of a 24 GB GPU.
+* ``precision="auto"``: float32 Gram sums and Jacobi-scaled float32 solves (``linalg``), with TF32
+  products on CUDA: the fit of a 24 GB GPU, and 1.6x faster solves than float64 on a CPU.
+* Cheap rounds. The paper recomputes ``Z Zᵀ`` and ``Y Zᵀ`` over all N tokens in every round, which was
+  most of SPAP's time. Here each round's closed form (and the error that picks the best round) uses a
+  fixed uniform sample of ``sketch_tokens`` tokens, and the rounds' products (Adam's forward and
+  backward, ``Z`` and ``Y Zᵀ``) take bf16 inputs with float32 sums (``update_precision="bf16"``). The
+  best round's output projection is then refitted once on every token at ``precision``, and the start
+  wins unless that refit beats it. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..adapters import MLP
 from ..checks import ParameterError, hp
-from ..linalg import PRECISION_CHOICES, gram, lstsq_columns, mean_diag, ridge, sq_norm
+from ..linalg import PRECISION_CHOICES, gram, lstsq_columns, mean_diag, products, ridge, sq_norm
 from .base import LayerProblem, Method, PruneResult, register
 
 
@@ -175,14 +182,47 @@ def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: flo
 
 
 def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
-                  steps: int, batch_tokens: int) -> None:
-    """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens."""
+                  steps: int, batch_tokens: int, low: bool = False) -> None:
+    """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
+    (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
     for _ in range(steps):
         idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
-        loss = torch.nn.functional.mse_loss(mlp(X[idx].float()), Y[idx].float())
+        with products(low, X.device):
+            loss = torch.nn.functional.mse_loss(mlp(X[idx].float()).float(), Y[idx].float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
+
+def subsample(X: torch.Tensor, Y: torch.Tensor, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
+    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds."""
+    N = X.shape[0]
+    if tokens == 0 or tokens >= N:
+        return X, Y
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.sort(torch.randperm(N, generator=gen)[:tokens]).values.to(X.device)
+    return X[idx], Y[idx]
+
+
+def best_round(mlp: MLP, iters: int, step: Callable[[MLP], float], *, start_error: float, exact: bool,
+               full_error: Callable[[MLP], float]) -> tuple[MLP, dict]:
+    """Run ``step`` (one round in place on ``mlp``, returning its relative error on the rounds' data)
+    ``iters`` times and keep the round of lowest error. When the rounds were not ``exact`` (a token
+    sample or bf16 products), ``full_error`` then measures that round on every token at the method's
+    precision (refitting what the rounds fitted), and the start wins if it is no worse: the update never
+    makes a layer worse on its calibration data."""
+    start = mlp.clone()
+    best_error, best = (start_error, start) if exact else (float("inf"), start)
+    rounds = []
+    for _ in range(iters):
+        rounds.append(step(mlp))
+        if rounds[-1] < best_error:
+            best_error, best = rounds[-1], mlp.clone()
+    final = best_error if exact or best is start else full_error(best)
+    if final >= start_error:
+        best, final = start, start_error
+    return best, {"start": start_error, "rounds": rounds, "final": final}
 
 
 def alternating_update(
@@ -200,35 +240,48 @@ def alternating_update(
     chunk: int,
     seed: int,
     lr_scale: str = "rms",
-) -> tuple[MLP, list[float]]:
+    sketch_tokens: int = 0,
+    low: bool = False,
+) -> tuple[MLP, dict]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
     ``H`` and ``YZ`` are ``Z̃ Z̃ᵀ`` and ``Y Z̃ᵀ`` of the starting point (known from the penalty stage).
-    Returns the iterate with the lowest calibration error (the starting one included) and the
-    relative calibration error of the start and of every round.
+    Cheap rounds (deviations): each round's closed form and error use ``sketch_tokens`` tokens
+    (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best round's output
+    projection is then refitted once on every token at the method's precision (``best_round``).
+    Returns the MLP and the relative calibration errors of the start, of every round (on the rounds'
+    data) and of the result.
     """
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     n, dtype = mlp.width, H.dtype
-    history = [reconstruction_error(get_out(mlp), H, YZ, YY) / YY]
-    best_error, best = history[0], mlp.clone()
+    Xr, Yr = subsample(X, Y, sketch_tokens, seed)
+    YYr = YY if Xr is X else max(sq_norm(Yr, chunk), torch.finfo(torch.float64).tiny)
     # gate/up (fc1) weights and biases; one optimiser for all rounds: its moments carry over
     W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float, low: bool) -> float:
+        """(2) the output projection on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹; its relative error."""
+        with torch.no_grad():
+            H, YZ = gram(m, X, chunk, Y, dtype=dtype, low=low)
+            W = ridge(YZ, H, damping(H, n, damp))
+            set_out(m, W)
+            return reconstruction_error(W, H, YZ, YY) / YY
+
+    def one_round(m: MLP) -> float:
+        # (1) the input projections: Adam on ‖Y − W σ(W_in X)‖² with the output projection W fixed
+        adam_steps_on(m, X, Y, opt, gen, adam_steps, batch_tokens, low)
+        return closed_form(m, Xr, Yr, YYr, low)
+
     with trainable(W_in):
-        for _ in range(iters):
-            # (1) the input projections: Adam on ‖Y − W σ(W_in X)‖² with the output projection W fixed
-            adam_steps_on(mlp, X, Y, opt, gen, adam_steps, batch_tokens)
-            with torch.no_grad():
-                # (2) the output projection in closed form on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹
-                H, YZ = gram(mlp, X, chunk, Y, dtype=dtype)
-                delta = damp * mean_diag(H[:n, :n])  # same units as the penalty stage (bias row excluded)
-                W = ridge(YZ, H, torch.full((H.shape[0],), delta, dtype=dtype, device=H.device))
-                set_out(mlp, W)
-                history.append(reconstruction_error(W, H, YZ, YY) / YY)
-            # (3) keep the best iterate
-            if history[-1] < best_error:
-                best_error, best = history[-1], mlp.clone()
-    return best, history
+        return best_round(mlp, iters, one_round, start_error=reconstruction_error(get_out(mlp), H, YZ, YY) / YY,
+                          exact=Xr is X and not low, full_error=lambda m: closed_form(m, X, Y, YY, False))
+
+
+def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
+    """``δ`` on every diagonal entry, ``δ = damp · mean(diag(Z Zᵀ))`` (the bias row excluded): the units of
+    the penalty stage."""
+    return torch.full((H.shape[0],), damp * mean_diag(H[:n, :n]), dtype=H.dtype, device=H.device)
 
 
 @register
@@ -238,6 +291,7 @@ class SPAP(Method):
 
     name = "spap"
     ours = True
+    uses_targets = True  # the update's Adam steps fit the dense outputs token by token
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
     # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
     t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, doubles the error)
@@ -254,7 +308,13 @@ class SPAP(Method):
     lr: float = hp(5e-3, gt=0)  # Adam step in units of each tensor's RMS (SmolLM2: ≈ the absolute 1e-3 measured best)
     lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
-    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float64 on CPU, tf32 on CUDA)
+    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float32 on CPU, tf32 on CUDA)
+    # Cheap update rounds (deviations; bench/results/speed_*.md): each round's closed form and error on a fixed
+    # sample of this many tokens (0: all), the best round refitted once on every token at ``precision``
+    sketch_tokens: int = hp(16384, ge=0)
+    # the rounds' products (Adam steps, the sampled Gram passes): "bf16" inputs with float32 sums, or "full"
+    # (``precision``'s); sketch_tokens=0 with "full" is the paper's update
+    update_precision: str = hp("bf16", choices=("bf16", "full"))
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
     allocation: str = "uniform"
@@ -281,13 +341,13 @@ class SPAP(Method):
             cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
             H = problem.H[cols][:, cols]
             YZ = get_out(problem.dense).to(problem.dtype) @ problem.H[:, cols]
-            mlp, history = alternating_update(
+            mlp, errors = alternating_update(
                 mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
-                seed=problem.seed + problem.layer_index, lr_scale=self.lr_scale,
+                seed=problem.seed + problem.layer_index, lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens,
+                low=self.update_precision == "bf16",
             )
-            info["rel_error_penalty"] = history[0]
-            info["rel_error_final"] = min(history)
+            info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
 
 
@@ -299,6 +359,7 @@ class SPAPNoUpdate(SPAP):
 
     name = "spap_no_update"
     ablation_of = "spap"
+    uses_targets = False
     am_iters: int = hp(0, ge=0)
 
     def validate(self) -> None:
@@ -313,21 +374,25 @@ def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) ->
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
-                    batch_tokens: int, chunk: int, seed: int, lr_scale: str = "rms") -> tuple[MLP, list[float]]:
+                    batch_tokens: int, chunk: int, seed: int, lr_scale: str = "rms", sketch_tokens: int = 0,
+                    low: bool = False) -> tuple[MLP, dict]:
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
-    the calibration error every ``steps`` steps and returning the best iterate (the start included)."""
+    the calibration error every ``steps`` steps (on the same token sample and in the same precision as
+    ``alternating_update``'s rounds) and returning the best iterate (``best_round``)."""
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
-    history = [calibration_error(mlp, X, Y, chunk) / YY]
-    best_error, best = history[0], mlp.clone()
+    Xr, Yr = subsample(X, Y, sketch_tokens, seed)
+    YYr = YY if Xr is X else max(sq_norm(Yr, chunk), torch.finfo(torch.float64).tiny)
     params, opt = adam([*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out], lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def one_round(m: MLP) -> float:
+        adam_steps_on(m, X, Y, opt, gen, steps, batch_tokens, low)
+        with products(low, X.device):
+            return calibration_error(m, Xr, Yr, chunk) / YYr
+
     with trainable(params):
-        for _ in range(rounds):
-            adam_steps_on(mlp, X, Y, opt, gen, steps, batch_tokens)
-            history.append(calibration_error(mlp, X, Y, chunk) / YY)
-            if history[-1] < best_error:
-                best_error, best = history[-1], mlp.clone()
-    return best, history
+        return best_round(mlp, rounds, one_round, start_error=calibration_error(mlp, X, Y, chunk) / YY,
+                          exact=Xr is X and not low, full_error=lambda m: calibration_error(m, X, Y, chunk) / YY)
 
 
 @register
@@ -343,11 +408,10 @@ class SPAPGD(SPAP):
     def prune(self, problem: LayerProblem) -> PruneResult:
         mlp, keep, info = self.penalty_stage(problem)
         if self.am_iters > 0:
-            mlp, history = gradient_update(
+            mlp, errors = gradient_update(
                 mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
-                lr_scale=self.lr_scale,
+                lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens, low=self.update_precision == "bf16",
             )
-            info["rel_error_penalty"] = history[0]
-            info["rel_error_final"] = min(history)
+            info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
