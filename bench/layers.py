@@ -24,14 +24,14 @@ import time
 
 import pandas as pd
 import torch
+from tune import layer_bench_parser, mlp_inputs
 
 import spap_lib as sl
 from spap_lib.grid import Variant
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import lstsq_columns, mean_diag
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.spap import column_scores, get_out, penalty_method, set_out
-from tune import layer_bench_parser, mlp_inputs
+from spap_lib.methods.spap import column_scores, penalty_method
 
 TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds x 10 Adam steps (defaults)
           "spap/am_iters=20,spap_gd/am_iters=20,"  # the paper's 20 rounds, equal gradient steps (200)
@@ -58,7 +58,7 @@ def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
     dense, H, n, lam = problem.dense, problem.H, problem.dense.width, problem.n_remove
     bias = problem.has_bias
     znorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()
-    W0 = get_out(dense).to(H.dtype)
+    W0 = dense.out_augmented().to(H.dtype)
     kw = dict(bias=bias, rho0=spap.rho0, tau=spap.tau, t=spap.t, alpha=spap.alpha, K=spap.K, damp=spap.damp)
     removed = {
         "first": set(torch.topk(column_scores(W0[:, :n], znorm, spap.t), lam, largest=False).indices.tolist()),
@@ -73,7 +73,7 @@ def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
         cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
         mlp = dense.select(keep)
         if "no refit" not in name:  # the refit's own value: held-out error with and without it
-            set_out(mlp, lstsq_columns(W0 @ H, H, cols, spap.damp * mean_diag(H[:n, :n])))
+            mlp.set_out_augmented(lstsq_columns(W0 @ H, H, cols, spap.damp * mean_diag(H[:n, :n])))
         rows.append({"kind": "mask", "label": name, "differs_from_penalty": len(gone - removed["penalty"]),
                      "differs_from_first": len(gone - removed["first"]), "removed": lam,
                      "heldout_rel_error": rel_error(mlp, X_held, Y_held),
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     loaded = sl.load(args.model, device="cpu")
     layers = [int(x) for x in args.layers.split(",")]
     fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
-    avoid = fit if args.held_avoid is None else sl.calibration_windows(loaded.tokenizer, args.held_avoid, args.seqlen, seed=0)
+    avoid = fit if args.held_avoid is None else \
+        sl.calibration_windows(loaded.tokenizer, args.held_avoid, args.seqlen, seed=0)
     held = held_out_windows(loaded.tokenizer, avoid, args.held, args.seqlen)
     X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     n_remove = sl.plan_sparsity(loaded.adapter, args.sparsity).n_remove

@@ -47,10 +47,12 @@ def main(argv=None) -> None:
                          progress=False)["memory"]
         report = sl.prune(loaded, calib, args.method, 0.2, hparams=hparams, progress=False)
         mem = report["memory"]
-        row = {"model": model, "method": args.method, "hparams": json.dumps(hparams), "tokens": args.nsamples * args.seqlen,
+        row = {"model": model, "method": args.method, "hparams": json.dumps(hparams),
+               "tokens": args.nsamples * args.seqlen,
                "predicted working GB": round(p.prune_working_gb, 3),
                "measured working GB": round((mem["peak_rss_mb"] - mem["rss_before_mb"]) / 1024, 3),
-               "first prune in process GB (2 windows)": round((first["peak_rss_mb"] - first["rss_before_mb"]) / 1024, 3),
+               "first prune in process GB (2 windows)":
+                   round((first["peak_rss_mb"] - first["rss_before_mb"]) / 1024, 3),
                "resident before GB": round(mem["rss_before_mb"] / 1024, 3),
                "predicted weights GB": p.memory_gb["weights"],
                "predicted prune s": round(p.total_seconds - p.seconds["perplexity (dense + pruned)"]),

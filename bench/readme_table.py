@@ -1,7 +1,8 @@
-"""Render committed result tables into README.md (between their markers).
+"""Render committed result tables into README.md and docs/*.md (between their markers).
 
     python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end, the
-                                                                      #   SPAP sweep: results, Table 5: table5)
+                                                                      #   SPAP sweep: results, Table 5: table5,
+                                                                      #   beside the paper: paper)
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
     python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
@@ -18,7 +19,9 @@ import pandas as pd
 from spap_lib.figures import UPDATES
 from spap_lib.io import write_text_atomic
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where rendered blocks may live
+PAPER_CSV = REPO / "results" / "paper_tables.csv"
 
 
 def render_sweep(csv: str) -> str:
@@ -83,41 +86,63 @@ def render_zeroshot(csv: str) -> str:
 
 
 def render_profile(csv: str) -> str:
-    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "runs", "seconds_median", "seconds_min",
+    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "runs", "seconds_median",
+            "seconds_min",
             "seconds_max", "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
     df = pd.read_csv(csv)
     return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)
+
+
+def render_paper(csv: str) -> str:
+    """Our perplexity at 128 × 512 beside the paper's on its closest models (``figures.beside_paper``)."""
+    from spap_lib.figures import beside_paper
+
+    table = beside_paper(csv, PAPER_CSV, "128×512")
+    return table.to_markdown(index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
              "profile_slicegpt": render_profile}
 
 
-def render_readme(csv: str, text: str) -> str:
-    """README text with every block rendered from `csv` replaced by a fresh rendering."""
+def render_blocks(csv: str) -> dict[str, str]:
+    """Every block rendered from ``csv``: {marker name: markdown}."""
     kind = max((k for k in RENDERERS if Path(csv).stem.startswith(k)), key=len, default=None)  # the longest match
     if kind is None:
-        raise SystemExit(f"{csv}: no README table is rendered from it (known: {', '.join(RENDERERS)})")
-    more = {"results": render_sweep, "table5": render_table5} if kind == "ablation" else {}
-    blocks = {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
+        raise SystemExit(f"{csv}: no table is rendered from it (known: {', '.join(RENDERERS)})")
+    more = {"results": render_sweep, "table5": render_table5, "paper": render_paper} if kind == "ablation" else {}
+    return {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
+
+
+def render_text(blocks: dict[str, str], text: str) -> tuple[str, set[str]]:
+    """``text`` with each of ``blocks`` that it holds replaced by a fresh rendering; and the names it held."""
+    found = set()
     for name, body in blocks.items():
         start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-        if start not in text:
-            raise SystemExit(f"README.md has no {start} ... {end} block for {csv}")
-        text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text, flags=re.S)
-    return text
+        if start in text:
+            found.add(name)
+            text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: f"{start}\n{body}\n{end}", text,
+                          flags=re.S)
+    return text, found
 
 
 def main(argv: list[str]) -> None:
     check = "--check" in argv
     (csv,) = [a for a in argv if a != "--check"]
-    text = README.read_text()
-    fresh = render_readme(csv, text)
-    if check:
-        if fresh != text:  # a committed result changed without its README table (or the README was hand-edited)
-            raise SystemExit(f"README.md's tables are stale for {csv}: run python bench/readme_table.py {csv}")
-        return
-    write_text_atomic(README, fresh)
+    blocks = render_blocks(csv)
+    seen: set[str] = set()
+    for path in DOCS:
+        text = path.read_text()
+        fresh, found = render_text(blocks, text)
+        seen |= found
+        if check and fresh != text:  # a committed result changed without its table (or a block was hand-edited)
+            raise SystemExit(f"{path.relative_to(REPO)}'s tables are stale for {csv}: "
+                             f"run python bench/readme_table.py {csv}")
+        if not check and fresh != text:
+            write_text_atomic(path, fresh)
+    missing = set(blocks) - seen
+    if missing:
+        raise SystemExit(f"no <!-- {sorted(missing)[0]}:start --> ... end block in README.md or docs/ for {csv}")
 
 
 if __name__ == "__main__":

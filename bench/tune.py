@@ -68,13 +68,15 @@ def main(argv=None) -> None:
     ap.add_argument("--points", default="",
                     help="joint settings, one per ';', e.g. 'method=fasp;am_iters=5,batch_tokens=1024' (each point "
                          "is the base point with these overrides; 'method' names another registered method)")
+    ap.add_argument("--held", type=int, default=None, help="held-out windows (default nsamples // 4, at least 4); "
+                    "the same count and seqlen give the same windows, so runs at two budgets compare")
     ap.add_argument("--out", default="bench/results/tune.csv")
     args = ap.parse_args(argv)
 
     loaded = sl.load(args.model, device="cpu")
     layers = [int(x) for x in args.layers.split(",")]
     fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
-    held = sl.calibration_windows(loaded.tokenizer, max(4, args.nsamples // 4), args.seqlen, seed=1)
+    held = sl.calibration_windows(loaded.tokenizer, args.held or max(4, args.nsamples // 4), args.seqlen, seed=1)
     X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
     base = {k: type(v)(v) for k, v in sl.get_method("spap").hparams().items()}

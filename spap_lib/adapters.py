@@ -12,6 +12,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .errors import ParameterError, SourceError
+
 
 @dataclass
 class MLP:
@@ -51,6 +53,18 @@ class MLP:
             act=self.act,
             glu=self.glu,
         )
+
+    def out_augmented(self) -> torch.Tensor:
+        """``[W_out | b_out]``: the output projection as one least-squares unknown (OPT's fc2 bias is one
+        more column, against a constant row of ones in Z)."""
+        return torch.cat([self.W_out, self.b_out[:, None]], 1) if self.b_out is not None else self.W_out
+
+    def set_out_augmented(self, W: torch.Tensor) -> None:
+        """Write ``[W_out | b_out]`` (an augmented least-squares solution) into the output projection."""
+        if self.b_out is not None:
+            self.W_out, self.b_out = W[:, :-1].float().contiguous(), W[:, -1].float().contiguous()
+        else:
+            self.W_out = W.float().contiguous()
 
     def clone(self) -> "MLP":
         return self.select(torch.arange(self.width, device=self.W_out.device))
@@ -135,7 +149,7 @@ class Adapter:
         the listed dense channels, weights as they are (nothing refitted: what profiling needs)."""
         layers = self.layers()
         if len(kept) != len(layers):
-            raise ValueError(f"kept_channels lists {len(kept)} layers, the model has {len(layers)}")
+            raise ParameterError(f"kept_channels lists {len(kept)} layers, the model has {len(layers)}")
         for layer, keep in zip(layers, kept):
             mlp = self.get_mlp(layer)
             self.set_mlp(layer, mlp.select(torch.tensor(keep, dtype=torch.long, device=mlp.W_out.device)))
@@ -157,7 +171,7 @@ class Adapter:
 
     def enable_out_bias(self) -> None:
         if not self.can_add_out_bias():
-            raise ValueError(f"{self.model.config.model_type!r} has no MLP output bias slot in stock transformers")
+            raise ParameterError(f"{self.model.config.model_type!r} has no MLP output bias slot in stock transformers")
         self.model.config.mlp_bias = True
 
     # -- parameter accounting ---------------------------------------------------------------
@@ -228,7 +242,7 @@ def get_adapter(model: nn.Module) -> Adapter:
     for cls in ADAPTERS:
         if model_type in cls.model_types:
             return cls(model)
-    raise ValueError(
+    raise SourceError(
         f"unsupported architecture {model_type!r}: spap supports {', '.join(supported_model_types())}. "
         "Add an Adapter subclass in spap_lib/adapters.py for a new one."
     )

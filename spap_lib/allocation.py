@@ -15,6 +15,7 @@ import math
 
 import torch
 
+
 def _largest_remainder(quota: list[float], total: int, cap: list[int]) -> list[int]:
     """Integers ``≤ cap`` summing to ``total`` that round ``quota`` (Hamilton's method)."""
     counts = [min(int(math.floor(q)), c) for q, c in zip(quota, cap)]

@@ -16,23 +16,20 @@ from pathlib import Path
 
 import torch
 
-from . import io
+from . import io, resume
 from .adapters import get_adapter
-from .checks import ParameterError, Spec, check_sparsity, check_values, fits_context
+from .capture import streamed_logits
+from .checks import Spec, check_sparsity, check_values, fits_context
 from .data import Calibration, calibration_windows
+from .errors import CheckpointError, OutputError, ParameterError, current_surface, option
 from .evaluate import perplexity
 from .linalg import NumericalError, nonfinite_parameters, resolve_precision
-from .capture import streamed_logits
 from .memory import measured
 from .methods import Method, get_method
 from .models import Loaded, ModelSource, context_length, pick_device, read_config, resolve
+from .onload import SafetensorsStore, check_offload, remove_dead_spills, write_checkpoint_weights
 from .pipeline import SparsityPlan, plan_sparsity, prune_model
-from .onload import SafetensorsStore, check_offload, write_checkpoint_weights
-from .plan import Plan, available_host_gb, local_device, plan
-
-
-class CheckpointError(RuntimeError):
-    """A pruned model that must not be saved (non-finite logits, a reload that differs)."""
+from .plan import Plan, available_host_gb, local_device, plan, size
 
 
 @dataclass
@@ -58,7 +55,8 @@ class RunCheck:
             lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer ({p.mlp_ratio:.1%} of channels; "
                          f"MLP = {p.mlp_share:.1%} of decoder params)")
         if self.out_state is not None:
-            lines.append(f"out_dir: {self.out_state}" + (" (will be replaced)" if self.out_state == "checkpoint" else ""))
+            replaced = " (will be replaced)" if self.out_state == "checkpoint" else ""
+            lines.append(f"out_dir: {self.out_state}{replaced}")
         if self.memory_time is not None:
             lines.append(self.memory_time.table())
             hours = self.memory_time.total_seconds / 3600
@@ -82,7 +80,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
               eval_windows: int | None = None, seed: int = 0, round_to: int | None = None,
               propagate: bool | None = None, device: str = "auto", out_dir: str | Path | None = None,
               run_dir: str | Path | None = None, overwrite: bool = False, offload: str = "auto",
-              spill_dir: str | Path | None = None) -> RunCheck:
+              spill_dir: str | Path | None = None, resume_dir: str | Path | None = None) -> RunCheck:
     """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
 
     Reads only the model's config (GGUF: its metadata): the architecture, the context length that
@@ -91,7 +89,9 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.onload``)
     ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this device, the host's
     available memory and the free space under ``spill_dir`` (disk); without a plan (no method or
-    calibration size), ``none``.
+    calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a
+    ``resume_dir`` must be new, empty, or hold this run's finished layers. Spill folders that dead runs
+    left under ``spill_dir`` are removed.
     """
     check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
                  ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
@@ -105,7 +105,13 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     check_offload(offload)
     algo = get_method(method, **(hparams or {})) if method is not None else None
     pick_device(device)
-    source = resolve(model)
+    spill_root = _existing(Path(spill_dir) if spill_dir else Path(tempfile.gettempdir()))
+    remove_dead_spills(spill_root)
+    if resume_dir is not None:
+        resume.check_folder(resume_dir)  # a file, a foreign folder or state.json: before reading the model
+    source = resolve(model)  # the config and, for a local folder, the weight files' headers
+    if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
+        io.check_out_dir(out_dir, overwrite=overwrite, protect=_protected(source, **{"the run folder": run_dir}))
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
@@ -131,14 +137,15 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
             offload = "none"
         else:
             check.plan = plan_sparsity(adapter, sparsity, round_to)
+            if resume_dir is not None and algo is not None:
+                resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
+                                                 "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,
+                                                 "propagate": propagate})
         if algo is not None:
             algo.prepare(adapter)  # e.g. FLAP's bias slot, SliceGPT's architectures
-        if algo is not None and nsamples and seqlen and not whole:
+        if algo is not None and nsamples and seqlen and not whole and sparsity > 0:
             dev = pick_device(device)
             row, memory_gb = local_device(dev)
-            spill_root = Path(spill_dir) if spill_dir else Path(tempfile.gettempdir())
-            while not spill_root.exists():
-                spill_root = spill_root.parent
             check.memory_time = p = plan(
                 model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples, seqlen=seqlen,
                 eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows, device=row, device_memory_gb=memory_gb,
@@ -146,15 +153,18 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                 disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
             if not p.fits:
                 raise ParameterError(
-                    f"this run does not fit with offload={p.offload!r}: the plan needs {p.peak_device_gb:.1f} GB on "
-                    f"{p.device} ({_limit(p.device_memory_gb)}), {p.peak_host_gb:.1f} GB of host memory "
-                    f"({_limit(p.host_memory_gb)})" + (f", {p.disk_gb:.1f} GB of disk under {spill_root} "
-                                                       f"({_limit(p.disk_free_gb)} free)" if p.offload == "disk" else "")
-                    + ". Use " + ("offload='disk' (weights read layer by layer), " if p.offload != "disk" else
-                                  "a spill_dir on a larger disk, ")
+                    f"this run does not fit with {option('offload', p.offload)}: the plan needs "
+                    f"{size(p.peak_device_gb)} on {p.device} ({_limit(p.device_memory_gb)}), {size(p.peak_host_gb)} "
+                    f"of host memory ({_limit(p.host_memory_gb)})"
+                    + (f", {size(p.disk_gb)} of disk under {spill_root} ({_limit(p.disk_free_gb)})"
+                       if p.offload == "disk" else "")
+                    + ". Use " + (f"{option('offload', 'disk')} (weights read layer by layer), " if p.offload != "disk"
+                                  else f"{_spill_hint()}, ")
                     + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
                     f"device.\n{p.table()}")
             check.offload = p.offload
+            if out_dir is not None:
+                _check_space(out_dir, p.checkpoint_gb)
     if offload != "auto":
         check.offload = offload
     if out_dir is not None:
@@ -164,7 +174,31 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
 
 
 def _limit(gb: float | None) -> str:
-    return f"{gb:.1f} GB available" if gb is not None else "not checked"
+    return f"{size(gb)} available" if gb is not None else "not checked"
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (where a new folder will be made)."""
+    path = path.expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _spill_hint() -> str:
+    """Where the caller moves the spill folder (the CLI makes it beside --out, 02 in its run_dir)."""
+    return {"cli": "an --out on a larger disk (the spill folder is made beside it)",
+            "papermill": "-p run_dir on a larger disk (the spill folder is made there)"}.get(
+        current_surface(), "a spill_dir on a larger disk")
+
+
+def _check_space(out_dir: str | Path, need_gb: float) -> None:
+    """The pruned checkpoint must fit under ``out_dir`` (found out before the prune, not after it)."""
+    where = _existing(Path(out_dir))
+    free = shutil.disk_usage(where).free / 2**30
+    if free < need_gb:
+        raise OutputError(f"the pruned checkpoint needs about {size(need_gb)} and {where} has {size(free)} free: "
+                          f"free some space or choose {option('out', '<a folder on a larger disk>')}")
 
 
 def param_counts(loaded: Loaded) -> dict:
@@ -235,15 +269,17 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("chunk", chunk, Spec(int, ge=1)))
     algo = get_method(method, **(hparams or {}))
-    if algo.whole_model:
-        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir)) if v is not None]
+    work = check_sparsity(sparsity) > 0  # sparsity 0: the dense model unchanged, whatever the method
+    if work and algo.whole_model:
+        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir))
+                 if v is not None]
         if given:
             raise ParameterError(f"method {method!r} does not take {', '.join(given)} (it prunes the whole model at "
                                  f"once; its kept dimension's multiple is its own hyperparameter round_to)")
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
-    if algo.fits and calib.windows.numel() < plan.width:
+    if work and algo.fits and calib.windows.numel() < plan.width:
         warnings.warn(
             f"only {calib.windows.numel()} calibration tokens for MLP width {plan.width}: the least-squares "
             f"steps are underdetermined and overfit the calibration set; use nsamples x seqlen >= {4 * plan.width}",
@@ -251,10 +287,8 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
         )
     before = param_counts(loaded)
     checkpoint = None
-    if resume_dir is not None:
-        from .resume import LayerCheckpoint
-
-        from .resume import code_hash
+    if resume_dir is not None and work:
+        from .resume import LayerCheckpoint, code_hash
 
         checkpoint = LayerCheckpoint(resume_dir, {
             "model": loaded.source.name, "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
@@ -265,7 +299,9 @@ def prune(loaded: Loaded, calib: Calibration, method: str = "spap", sparsity: fl
     with measured(loaded.device) as memory:
         run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
                           onloader=loaded.onloader, batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate,
-                          progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint)
+                          progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint) if work else \
+            {"propagate": algo.propagates if propagate is None else propagate, "seconds": 0.0, "resumed_at_layer": 0,
+             "layers": [], "kept_channels": [list(range(plan.width))] * plan.layers}
     after = param_counts(loaded)
     widths = [len(k) for k in run["kept_channels"]]
     return {
@@ -378,12 +414,7 @@ def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) 
         reloaded, how = AutoModelForCausalLM.from_pretrained(path, dtype=model.dtype), "transformers"
     reloaded.to(sample.device).eval()
     diff = float((reloaded(input_ids=sample, use_cache=False).logits - logits).abs().max())
-    tol = 1e-4 if model.dtype == torch.float32 else 1e-2
-    if not diff <= tol:
-        raise CheckpointError(f"the saved checkpoint does not reload to the same model (max |logit diff| {diff:.3g} "
-                              f"> {tol}); it was not installed")
-    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": how,
-            "sample_tokens": int(sample.numel())}
+    return _reload_check(diff, model.dtype, how, sample)
 
 
 @torch.no_grad()
@@ -403,18 +434,25 @@ def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logi
     reloaded = load_model(str(path), device=str(loaded.device), dtype=dtype, offload="disk")
     try:
         # every name, a tied head's too (some transformers versions write it, stock loading ignores it)
-        unused = reloaded.onloader.store.names() - {n for n, _ in reloaded.model.named_parameters(remove_duplicate=False)}
+        used = {n for n, _ in reloaded.model.named_parameters(remove_duplicate=False)}
+        unused = reloaded.onloader.store.names() - used
         if unused:
             raise CheckpointError(f"the saved checkpoint has tensors its config does not use ({sorted(unused)[:5]}); "
                                   "it was not installed")
         diff = float((_streamed_sample_logits(reloaded.model, reloaded.onloader, sample) - logits).abs().max())
     finally:
         reloaded.onloader.close()
-    tol = 1e-4 if loaded.model.dtype == torch.float32 else 1e-2
+    return _reload_check(diff, loaded.model.dtype, "spap_lib.load(offload='disk')", sample)
+
+
+def _reload_check(diff: float, dtype: torch.dtype, how: str, sample: torch.Tensor) -> dict:
+    """The reload check's verdict: the reloaded logits within the dtype's tolerance of the saved model's
+    (float32: 1e-4; half precision: 1e-2), else the checkpoint is not installed."""
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
     if not diff <= tol:
         raise CheckpointError(f"the saved checkpoint does not reload to the same model (max |logit diff| {diff:.3g} "
                               f"> {tol}); it was not installed")
-    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": "spap_lib.load(offload='disk')",
+    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": how,
             "sample_tokens": int(sample.numel())}
 
 

@@ -21,10 +21,7 @@ from types import ModuleType
 
 import yaml
 
-
-class ParameterError(ValueError):
-    """A parameter value that spap refuses (wrong type, out of range, unknown name)."""
-
+from .errors import ParameterError, set_surface
 
 _TYPE_WORDS = {bool: "a boolean (True/False)", int: "an integer", float: "a number", str: "a string",
                dict: "a mapping", list: "a list"}
@@ -147,7 +144,8 @@ def check_fields(obj) -> None:
     hints = typing.get_type_hints(type(obj))
     where = getattr(obj, "name", type(obj).__name__)
     for f in dataclasses.fields(obj):
-        Spec.of(hints[f.name], **f.metadata.get("spec", {})).check(f.name, getattr(obj, f.name), where=f"method {where!r}")
+        spec = Spec.of(hints[f.name], **f.metadata.get("spec", {}))
+        spec.check(f.name, getattr(obj, f.name), where=f"method {where!r}")
 
 
 def _base_type(annotation) -> tuple[type, bool]:
@@ -172,6 +170,7 @@ def check_notebook_parameters(namespace: dict, notebook: str) -> None:
     values as plain assignments after that cell, so an injected name that is not annotated is a
     parameter the notebook does not take: an error, with the closest declared name suggested.
     """
+    set_surface("papermill")  # from here on, refusals name ``-p name value``
     declared = dict(namespace.get("__annotations__", {}))
     unknown = sorted(name for name, value in namespace.items()
                      if not name.startswith("_") and name not in declared and name not in _IPYTHON_NAMES

@@ -5,7 +5,8 @@
     spap eval CHECKPOINT [--eval-seqlen 2048 --eval-windows N]
 
 Defaults are the paper's settings (128 × 2048 calibration tokens, perplexity on the whole WikiText-2
-test split at 2048). Every error is the library's own, before any weight is read where it can be;
+test split at 2048). A refusal (bad input, an incomplete checkpoint, a full disk) is one line on stderr
+and exit status 2, before any weight is read where it can be (``--debug`` adds its traceback);
 ``prune`` writes the same checkpoint and manifest as the notebook and prints its ``prune_result``.
 """
 from __future__ import annotations
@@ -16,6 +17,19 @@ import sys
 from pathlib import Path
 
 PAPER = {"nsamples": 128, "seqlen": 2048, "eval_seqlen": 2048}
+
+
+def _json_object(text: str) -> dict:
+    """``--hparams``: a JSON object, or an error that quotes the text and says what is wrong with it."""
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err}); write e.g. '{{\"K\": 10, \"t\": 0.5}}' "
+                                         "(double quotes inside single quotes)") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object of name: value pairs, "
+                                         "e.g. '{\"K\": 10}'")
+    return value
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -30,6 +44,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="spap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="show the traceback of a refusal too (for bug reports)")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prune", help="prune a model and save a checkpoint stock transformers loads")
@@ -40,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nsamples", type=int, default=PAPER["nsamples"], help="calibration windows (paper: 128)")
     p.add_argument("--seqlen", type=int, default=PAPER["seqlen"], help="tokens per calibration window (paper: 2048)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hparams", type=json.loads, default={}, help='method hyperparameters as JSON, e.g. \'{"K": 10}\'')
+    p.add_argument("--hparams", type=_json_object, default={},
+                   help='method hyperparameters as JSON, e.g. \'{"K": 10}\'')
     p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
@@ -75,10 +91,10 @@ def _prune(a) -> dict:
     from spap_lib.api import dense_perplexity, get_calibration, prune_result
 
     out = Path(a.out).expanduser()
+    evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
     job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
-                       seqlen=a.seqlen, eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, seed=a.seed,
-                       round_to=a.round_to, device=a.device, out_dir=out, overwrite=a.overwrite, offload=a.offload,
-                       spill_dir=out.parent)
+                       seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=a.device, out_dir=a.out,
+                       overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
     print(job.summary(), flush=True)
     loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=out.parent)
     calib = get_calibration(loaded, a.model, a.nsamples, a.seqlen, a.seed)
@@ -113,32 +129,46 @@ def _plan(a) -> str:
 
 def _eval(a) -> dict:
     import spap_lib as sl
-    from spap_lib.onload import check_offload
 
-    offload = "none" if check_offload(a.offload) == "auto" else a.offload
-    loaded = sl.load(a.model, device=a.device, offload=offload)
+    local = Path(a.model).expanduser()
+    # a checkpoint's folder is where a killed prune with --out there left its spill folder: cleaned first
+    spill = local.absolute().parent if local.exists() else None
+    job = sl.check_run(a.model, eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=a.device,
+                       offload=a.offload, spill_dir=spill)
+    loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=spill)
     result = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows, onloader=loaded.onloader)
     loaded.onloader.close()
     return {"model": a.model, **result}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from spap_lib.checks import ParameterError
+    from spap_lib.errors import SpapError, surface
 
     a = parser().parse_args(argv)
     try:
-        if a.command == "prune":
-            out = _prune(a)
-        elif a.command == "plan":
-            print(_plan(a))
-            return 0
-        else:
-            out = _eval(a)
-    except (ParameterError, ValueError, FileNotFoundError) as err:  # the library's clear messages, no traceback
-        print(f"spap {a.command}: {err}", file=sys.stderr)
+        with surface("cli"):  # refusals name --flags, not keyword arguments
+            if a.command == "prune":
+                out = _prune(a)
+            elif a.command == "plan":
+                print(_plan(a))
+                return 0
+            else:
+                out = _eval(a)
+    except (SpapError, OSError) as err:  # a refusal or an I/O error of a source or output: one line, exit 2
+        if a.debug:
+            raise
+        print(f"spap {a.command}: {_one_line(err)}", file=sys.stderr)
         return 2
     print(json.dumps(out, indent=2, default=str))
     return 0
+
+
+def _one_line(err: BaseException) -> str:
+    """The message, and for an OSError the file and the reason (``No space left on device: 'out/x'``);
+    a multi-line refusal (the plan's table) is kept whole."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename!r}" if err.filename else err.strerror
+    return str(err) or type(err).__name__
 
 
 if __name__ == "__main__":

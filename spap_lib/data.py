@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import ParameterError
+
 WIKITEXT = "wikitext-2-raw-v1"
 SPLIT_FILES = {"train": "wiki.train.raw", "validation": "wiki.valid.raw", "test": "wiki.test.raw"}
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
@@ -43,14 +45,16 @@ def read_raw(path: Path) -> list[str]:
 class Text:
     text: str
     split: str
-    source: str  # e.g. "local:/…/wiki.valid.raw" or "hub:wikitext/wikitext-2-raw-v1"
+    # "local:wikitext-2-raw-v1/wiki.valid.raw" (relative to the data directory: results name the file, not
+    # a machine's path) or "hub:wikitext/wikitext-2-raw-v1"
+    source: str
 
 
 def wikitext(split: str) -> Text:
     """One split as ``"\\n\\n".join(rows)`` (the standard LLM-pruning protocol)."""
     local = data_dir() / WIKITEXT / SPLIT_FILES[split]
     if local.is_file():
-        return Text("\n\n".join(read_raw(local)), split, f"local:{local}")
+        return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]}")
     if hub_reachable():
         from datasets import load_dataset
 
@@ -101,7 +105,7 @@ def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, te
     text = text or calibration_text()
     ids = tokenize(tokenizer, text.text)
     if ids.numel() < nsamples * seqlen + 1:
-        raise ValueError(
+        raise ParameterError(
             f"too few calibration tokens: {nsamples} x {seqlen} = {nsamples * seqlen} requested but the "
             f"{text.split} split ({text.source}) has {ids.numel()} tokens. Lower nsamples or seqlen, or "
             f"provide the train split ({WIKITEXT}/{SPLIT_FILES['train']} in SPAP_DATA_DIR)."

@@ -13,9 +13,9 @@ from tqdm import tqdm
 from .capture import streamed_logits
 from .checks import Spec, fits_context
 from .data import tokenize, wikitext
+from .errors import ParameterError
 from .linalg import NumericalError
 from .models import context_length
-
 
 LOSS_CHUNK = 256  # positions per cross-entropy call
 
@@ -30,7 +30,7 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
     fits_context("eval_seqlen", seqlen, context_length(model.config))
     n = ids.numel() // seqlen
     if n == 0:
-        raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
+        raise ParameterError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
     if max_windows is not None:
         n = min(n, int(max_windows))
     losses = []

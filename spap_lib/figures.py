@@ -7,6 +7,7 @@ import pandas as pd
 
 from . import io
 
+
 def method_order() -> list[str]:
     """Every registered method in the paper's order, from what the method classes declare: one-shot score
     baselines, then the propagating baseline (FASP), then ablations, then the paper's method (each group
@@ -28,8 +29,10 @@ def _label_order(labels) -> list[str]:
     return sorted(set(labels) - {"dense"}, key=rank)
 
 
-def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = None, ymax: float | None = None):
-    """The paper's Figure 2: WikiText-2 perplexity vs sparsity per method, one panel per model.
+def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = None, ymax: float | None = None,
+            min_cells: int = 6):
+    """The paper's Figure 2: WikiText-2 perplexity vs sparsity per method, one panel per model and
+    calibration size (nsamples × seqlen) with at least ``min_cells`` pruned cells.
 
     The dense model is the horizontal dashed line; ``ymax`` clips collapsed baselines (magnitude)
     so the methods that matter stay readable. Written atomically; returns the figure.
@@ -44,19 +47,24 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     if eval_seqlen is None:
         eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
     table = table[table["eval_seqlen"] == eval_seqlen]
-    # One protocol per panel: the calibration size and test-window count most of the model's cells used
-    # (the whole-split rows of a few headline cells, or a calibration-size study, would otherwise be
-    # mixed into the grid's curves).
-    table = pd.concat([part[(part["eval_windows"] == part["eval_windows"].mode().iloc[0])
-                            & (part["calib"] == part["calib"].mode().iloc[0])]
+    # One protocol per panel: the test-window count most of the model's cells used (the whole-split rows
+    # of a few headline cells would otherwise be mixed into the grid's curves), and one panel per
+    # calibration size that a grid ran (``min_cells`` pruned cells or more): budgets are never mixed.
+    table = pd.concat([part[part["eval_windows"] == part["eval_windows"].mode().iloc[0]]
                        for _, part in table.groupby("model", sort=False)])
-    models = list(dict.fromkeys(table["model"]))
+    pruned_cells = table[table["label"] != "dense"].groupby(["model", "calib"], sort=False).size()
+    panels = [key for key, count in pruned_cells.items() if count >= min_cells]
     sns.set_theme(style="whitegrid", context="notebook")
-    labels = _label_order(table["label"])
+    labels = _label_order(table[[(m, c) in panels for m, c in zip(table["model"], table["calib"])]]["label"])
     palette = dict(zip(labels, sns.color_palette("tab10" if len(labels) <= 10 else "tab20", len(labels))))
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2.5, 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        part = table[table["model"] == model]
+    cols = min(len(panels), 2)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    legend = {}
+    for ax, (model, calib) in zip(axes.flat, panels):
+        part = table[(table["model"] == model) & ((table["calib"] == calib) | (table["label"] == "dense"))]
         pruned = part[part["label"] != "dense"]
         present = [lab for lab in labels if lab in set(pruned["label"])]
         # x: the decoder parameters each cell actually removed (SliceGPT's slicing fraction is not that)
@@ -77,15 +85,20 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
         ticks = sorted(set(pruned["sparsity"]))
         ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
         ax.set_xlabel("decoder-layer parameters removed" + (" (measured)" if x == "achieved_sparsity" else ""))
-        windows, calib = int(part["eval_windows"].iloc[0]), part["calib"].iloc[0]
-        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {'whole test' if windows < 0 else f'{windows} windows'} (log)")
+        windows = int(part["eval_windows"].iloc[0])
+        scored = "whole test" if windows < 0 else f"{windows} windows"
+        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {scored} (log)")
         ax.set_title(f"{model}" + (f" (calibration {calib})" if calib else ""))
-        handles, names = ax.get_legend_handles_labels()
-        ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+        ax.get_legend().remove()
     fig.tight_layout()
+    # one legend for every panel (a label has one colour and marker everywhere), beside them
+    fig.legend(list(legend.values()), list(legend), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5),
+               frameon=False)
     out = Path(out)
     with io.atomic_file(out) as tmp:
-        fig.savefig(tmp, dpi=150, format=out.suffix.lstrip(".") or "png")
+        fig.savefig(tmp, dpi=150, format=out.suffix.lstrip(".") or "png", bbox_inches="tight")
     return fig
 
 
@@ -166,3 +179,45 @@ def layer_plot(report: dict, title: str):
     ax.set(xlabel="decoder layer", title=title)
     fig.tight_layout()
     return fig
+
+
+# The paper's models closest to the offline ones: the same architecture (Qwen2.5-Coder-0.5B is the
+# Qwen2.5-0.5B architecture) or the same family (SmolLM2 is a Llama-architecture model; the paper's
+# smallest Llama is 3.2-1B). Other checkpoints, other protocols: the percentages compare, the values do not.
+PAPER_TWINS = {"qwen2.5-coder-0.5b": "qwen2.5-0.5b", "smollm2-135m": "llama-3.2-1b"}
+PAPER_PROTOCOL = "128 calibration windows (length not stated; its peers use 2048), whole WikiText-2 test split"
+
+
+def beside_paper(results_csv: str | Path, paper_csv: str | Path, calib: str, eval_windows: int = 40) -> pd.DataFrame:
+    """Our perplexity at one calibration size beside the paper's on its closest model, per method (each at
+    its default settings, the label equal to the method) and sparsity, each with its increase over its
+    own dense model: ``ours`` and ``paper`` columns per sparsity. Methods the paper did not run are blank."""
+    ours = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    ours = ours[(ours["eval_windows"] == eval_windows) & ours["model"].isin(PAPER_TWINS)
+                & ((ours["calib"] == calib) | (ours["label"] == "dense")) & (ours["label"] == ours["method"])]
+    paper = pd.read_csv(paper_csv)
+    paper = paper[paper["table"].isin(["table2", "table5"]) & (paper["metric"] == "wikitext2_ppl")]
+    rows = []
+    for model, twin in PAPER_TWINS.items():
+        mine = ours[ours["model"] == model]
+        theirs = paper[paper["model"] == twin]
+        if (mine["label"] == "dense").all():  # no pruned cell at this calibration size
+            continue
+        dense = {"ours": _first(mine[mine["label"] == "dense"]["ppl"]),
+                 "paper": _first(theirs[theirs["method"] == "dense"]["value"])}
+        for method in ["dense", *_label_order(set(mine["label"]) & set(method_order()))]:
+            row = {"model": model, "paper's model": twin, "method": method}
+            for sparsity in sorted({s for s in mine["sparsity"] if s > 0}):
+                for who, part, col in (("ours", mine[mine["label"] == method], "ppl"),
+                                       ("paper", theirs[theirs["method"] == method], "value")):
+                    ppl = _first(part[part["sparsity"] == (0 if method == "dense" else sparsity)][col])
+                    base = dense[who]
+                    row[f"{sparsity:.0%} {who}"] = "" if ppl is None else f"{ppl:.2f}" + (
+                        "" if method == "dense" or base is None else f" (+{100 * (ppl / base - 1):.1f}%)")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _first(values: pd.Series) -> float | None:
+    values = pd.to_numeric(values, errors="coerce").dropna()
+    return float(values.iloc[0]) if len(values) else None

@@ -30,6 +30,7 @@ from . import api, io
 from .capture import first_layer_inputs
 from .checks import scalar
 from .data import Calibration, tokenize, wikitext
+from .errors import ParameterError
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method
 from .models import Loaded
@@ -58,7 +59,7 @@ class Variant:
         for item in filter(None, spec.split(",")):
             key, sep, value = item.partition("=")
             if not sep:
-                raise ValueError(f"bad variant {label!r}: expected method/key=value[,key=value]")
+                raise ParameterError(f"bad variant {label!r}: expected method/key=value[,key=value]")
             hparams[key.strip()] = scalar(value)
         get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
         return cls(label, method, hparams)
@@ -80,7 +81,7 @@ class Eval:
         among them (a typo would silently match no cell)."""
         unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
         if unknown or "seqlen" not in spec:
-            raise ValueError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
+            raise ParameterError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
                              f"labels, sparsities")
         from .checks import Spec
 
@@ -88,12 +89,12 @@ class Eval:
         Spec(int, ge=1, optional=True).check("extra_evals windows", spec.get("windows"))
         stray = set(spec.get("labels") or ()) - {"dense", *(labels or ())}
         if labels is not None and stray:
-            raise ValueError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
+            raise ParameterError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
                              f"(its labels: dense, {', '.join(labels)})")
         odd = [x for x in spec.get("sparsities") or () if sparsities is not None
                and not any(abs(float(x) - y) < 1e-9 for y in sparsities)]
         if odd:
-            raise ValueError(f"extra evaluation {spec!r} names sparsities {odd} that the grid does not run "
+            raise ParameterError(f"extra evaluation {spec!r} names sparsities {odd} that the grid does not run "
                              f"(its sparsities: {sparsities})")
         return cls(spec["seqlen"], spec.get("windows"), tuple(spec.get("labels") or ()),
                    tuple(float(x) for x in spec.get("sparsities") or ()))
@@ -253,7 +254,8 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
                 print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
                 continue
             for s, w in todo:  # row by row: a long evaluation interrupted keeps the rows already scored
-                add([_row(grid, v.label, v.method, v.hparams, sparsity, report, grid.perplexity(pruned.model, s, w), w)])
+                ppl = grid.perplexity(pruned.model, s, w)
+                add([_row(grid, v.label, v.method, v.hparams, sparsity, report, ppl, w)])
             layers_dir = grid.resume_dir(v, sparsity)
             if layers_dir is not None:  # the rows are written: the cell's finished layers are not needed any more
                 LayerCheckpoint(layers_dir, {}).clear()

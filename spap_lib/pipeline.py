@@ -64,7 +64,7 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     layers = adapter.layers()
     widths = {adapter.width(layer) for layer in layers}
     if len(widths) != 1:
-        raise ValueError(f"model already has non-uniform MLP widths {sorted(widths)}; prune a dense model")
+        raise ParameterError(f"model already has non-uniform MLP widths {sorted(widths)}; prune a dense model")
     width = widths.pop()
     ppc = adapter.params_per_channel(layers[0])
     decoder = adapter.decoder_params()
@@ -73,8 +73,16 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
         keep = max(round_to, round((width - n_remove) / round_to) * round_to)
         n_remove = max(0, width - keep)
     plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove)
+    if sparsity > 0 and n_remove == 0:  # a run at full cost that changes nothing is refused, not reported after
+        one = plan.params_per_channel * plan.layers / decoder
+        why = (f"with round_to={round_to} the kept width rounds back to all {width}" if round_to is not None else
+               f"that is less than one MLP channel per layer ({one:.4f} of the decoder parameters)")
+        raise ParameterError(
+            f"sparsity {sparsity} removes no MLP channel of width {width}: {why}. Use a larger sparsity"
+            + (f" or a round_to well below {width}" if round_to is not None else f" (at least {one:.4f})")
+            + " (sparsity 0 saves the dense model unchanged)")
     if n_remove >= width:
-        raise ValueError(
+        raise ParameterError(
             f"sparsity {sparsity} would remove all {width} MLP channels of every layer: spap prunes MLP "
             f"channels only, which are {plan.mlp_share:.1%} of decoder parameters; the most it can "
             f"remove while keeping one channel is {plan.max_sparsity:.4f}. Choose a lower sparsity."
@@ -157,7 +165,8 @@ def prune_model(
     if stats is None and needs_dense_stats(method, propagate):
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress)
     removals = [plan.n_remove] * len(layers) if uniform else \
-        method.removals(stats, plan.width, plan.n_remove * len(layers), _allocation_scores(adapter, method, onloader, stats))
+        method.removals(stats, plan.width, plan.n_remove * len(layers),
+                        _allocation_scores(adapter, method, onloader, stats))
     resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
     if method.scores_dense and not propagate:
         per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)

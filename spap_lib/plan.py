@@ -80,6 +80,7 @@ class Plan:
     throughput_source: str = ""
     disk_gb: float = 0.0  # offload="disk": the pruned layers written as they finish
     disk_free_gb: float | None = None
+    checkpoint_gb: float = 0.0  # the pruned checkpoint on disk
 
     @property
     def total_seconds(self) -> float:
@@ -97,8 +98,9 @@ class Plan:
         rows.append(f"  peak device memory {self.peak_device_gb:8.2f} GB{limit}"
                     f"   peak host memory {self.peak_host_gb:.2f} GB{host}   fits: {'yes' if self.fits else 'NO'}")
         if self.offload == "disk":
-            free = f" of {self.disk_free_gb:.0f} GB free" if self.disk_free_gb is not None else ""
-            rows.append(f"  disk for the pruned layers {self.disk_gb:.2f} GB{free}")
+            free = f" of {size(self.disk_free_gb)} free" if self.disk_free_gb is not None else ""
+            rows.append(f"  disk for the pruned layers {size(self.disk_gb)}{free}")
+        rows.append(f"  pruned checkpoint {size(self.checkpoint_gb)}")
         rows += [f"    {k:<28} {v:8.2f} GB" for k, v in self.memory_gb.items()]
         rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
@@ -106,6 +108,11 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
+
+
+def size(gb: float) -> str:
+    """A size for people: MB below a gigabyte (a tiny model's "0.0 GB" says nothing)."""
+    return f"{gb * 1024:.0f} MB" if gb < 1 else f"{gb:.1f} GB"
 
 
 def _duration(s: float) -> str:
@@ -168,7 +175,8 @@ def plan(model: str, *, method: str = "spap", hparams: dict | None = None, spars
                              "(add a row with bench/throughput.py)")
     check_offload(offload)
     check_values(("nsamples", nsamples, Spec(int, ge=1)), ("seqlen", seqlen, Spec(int, ge=2)),
-                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2)), ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
+                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2)),
+                 ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
                  ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
                  ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
@@ -252,8 +260,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
     # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint; the
     # hidden states of two layers (inputs and outputs) in spill files.
-    disk_need = (c["decoder"] * n_keep / n + (c["total"] - c["decoder"])) * b + max(hidden, 2 * eval_hidden) \
-        if offload == "disk" else 0.0
+    checkpoint = (c["total"] - L * (n - n_keep) * c["per_channel"]) * b  # the saved model (tied weights once)
+    disk_need = checkpoint + max(hidden, 2 * eval_hidden) if offload == "disk" else 0.0
 
     mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
     mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
@@ -280,13 +288,15 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
             adam = rounds * steps * min(batch, N) * 6 * (io_ + 1) * d * n_keep  # forward + backward
             seconds["Adam steps"] = L * adam / mm_low
             forward = 2 * (io_ + 1) * d * n_keep  # per token: the pruned MLP
-            if algo.name == "spap":  # Z and Y Zᵀ in the rounds' precision, Z Zᵀ in float32 (``gram``)
+            if algo.update_round == "closed_form":  # Z and Y Zᵀ in the rounds' precision, Z Zᵀ in float32
                 per_round = (2 * io_ * Nr * d * n_keep + 2 * Nr * d * n_keep) / mm_low + 2 * Nr * n_keep**2 / mm32
+                if hp.get("sketch_resample") and Nr < N:  # the ranking forward pass on the first sample
+                    per_round += Nr * forward / mm_low
                 final = (2 * io_ * N * d * n_keep + 2 * N * d * n_keep + 2 * N * n_keep**2) / mm32 if refit else 0
             else:  # spap_gd: a forward pass for the error
                 per_round, final = Nr * forward / mm_low, (N * forward / mm32 if refit else 0)
             seconds["alternating rounds (Gram / error)"] = L * (rounds * per_round + final)
-            if algo.name == "spap":
+            if algo.update_round == "closed_form":
                 seconds["alternating rounds (solves)"] = \
                     L * (rounds + refit) * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
     elif algo.whole_model:  # SliceGPT: per block three float64 PCA Gram sums (d x d) and eigendecompositions
@@ -310,4 +320,4 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
            (disk_free_gb is None or disk_need / GB <= disk_free_gb)
     return Plan(model, algo.name, device, offload, peak_device / GB, peak_host / GB, fits, seconds,
                 {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb, THROUGHPUT[device]["source"],
-                disk_need / GB, disk_free_gb)
+                disk_need / GB, disk_free_gb, checkpoint / GB)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import get_adapter
+from .errors import ParameterError
 from .memory import peak_rss_mb, release_freed, reset_peak_rss
 
 
@@ -46,12 +47,11 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     shapes, each pruned by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in
     seconds, no activations needed) from one load, on a copy per variant; only the kept channels are
     returned. ``slicing``: SliceGPT's slicing fractions, as plans (its shapes, shortcut matrices included)."""
-    from .slicing import plan_for, shape_like
-
     from .api import prune
     from .data import calibration_windows
     from .models import load
     from .pipeline import plan_sparsity
+    from .slicing import plan_for, shape_like
 
     loaded = load(model, device=device)
     for s in sparsities:
@@ -179,7 +179,7 @@ def profile_rounds(sources: dict[str, str | Variant], *, rounds: int = 1, **kwar
     model alike instead of on whichever ran last; a fresh process per model and round keeps peaks apart.
     """
     if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+        raise ParameterError(f"rounds must be >= 1, got {rounds}")
     pooled: dict[str, dict] = {}
     for k in range(rounds):
         for label in (list(sources) if k % 2 == 0 else list(sources)[::-1]):

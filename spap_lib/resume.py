@@ -26,7 +26,57 @@ STATE = "state.json"
 
 
 def _ours(name: str) -> bool:
-    return name == STATE or name.startswith((".", "layer_", "hidden_")) and name.endswith((".safetensors", ".bin", ".tmp"))
+    return name == STATE or (name.startswith((".", "layer_", "hidden_"))
+                             and name.endswith((".safetensors", ".bin", ".tmp")))
+
+
+def _read_state(folder: Path) -> dict | None:
+    """``state.json`` of a resume folder, or None if there is none; refuses one spap did not write."""
+    path = folder / STATE
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ParameterError(f"resume folder {folder}: {path} is unreadable ({err}); delete {path} (the finished "
+                             "layers are then redone) or the folder") from None
+    if not isinstance(state, dict) or not {"fingerprint", "next", "hidden"} <= set(state):
+        raise ParameterError(f"resume folder {folder} holds a {STATE} that spap did not write: give a new or "
+                             "empty folder for the finished layers")
+    return state
+
+
+def _differ(saved: dict, expect: dict) -> list[str]:
+    return sorted(k for k in expect if saved.get(k) != expect[k])
+
+
+def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
+    """What a resume folder holds, checked before any work: ``new``, ``empty``, ``restart`` (files of ours
+    but no commit yet: an interrupted first layer, started again) or ``resume`` (finished layers of this
+    run). A file, a foreign folder, a foreign or corrupt ``state.json`` and the layers of another run
+    (``expect``: the fingerprint's keys known so far, compared as stored) are refused, naming the fix."""
+    folder = Path(folder)
+    if not folder.exists():
+        return "new"
+    if not folder.is_dir():
+        raise ParameterError(f"resume folder {folder} is a file: give a directory (new or empty) for the "
+                             "finished layers")
+    state = _read_state(folder)
+    if state is None:
+        names = [p.name for p in folder.iterdir()]
+        if not names:
+            return "empty"
+        if all(_ours(name) for name in names):
+            return "restart"
+        raise ParameterError(f"resume folder {folder} is not empty and holds no {STATE} (it holds "
+                             f"{', '.join(sorted(names)[:5])}): give a new or empty folder (spap writes layer files "
+                             "there and removes them when done)")
+    expect = json.loads(json.dumps(expect or {}, sort_keys=True, default=str))
+    differ = _differ(state["fingerprint"], expect)
+    if differ:
+        raise ParameterError(f"{folder} holds the layers of another run (differs in {', '.join(differ)}); delete it "
+                             "or resume with the same settings")
+    return "resume"
 
 
 class LayerCheckpoint:
@@ -34,19 +84,17 @@ class LayerCheckpoint:
         self.folder, self.fingerprint = Path(folder), json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
         self.clear_when_done = clear_when_done
         # Only a folder of ours is ever written or cleared: never a user's directory given by mistake.
-        if self.folder.is_dir() and not (self.folder / STATE).is_file() and any(self.folder.iterdir()):
-            raise ParameterError(f"resume folder {self.folder} is not empty and holds no {STATE}: give a new or "
-                                 f"empty folder (spap writes layer files there and removes them when done)")
+        if check_folder(self.folder) == "restart":  # killed before its first commit: nothing to resume
+            self.clear()
 
     def load(self) -> dict | None:
         """The finished layers' state, or None if nothing was finished; refuses another run's folder."""
-        path = self.folder / STATE
-        if not path.is_file():
+        state = _read_state(self.folder)
+        if state is None:
             return None
-        state = json.loads(path.read_text())
-        if state["fingerprint"] != self.fingerprint:
-            differ = sorted(k for k in {*state["fingerprint"], *self.fingerprint}
-                            if state["fingerprint"].get(k) != self.fingerprint.get(k))
+        differ = _differ(state["fingerprint"], self.fingerprint) + \
+            [k for k in state["fingerprint"] if k not in self.fingerprint]
+        if differ:
             raise ParameterError(f"{self.folder} holds the layers of another run (differs in {', '.join(differ)}); "
                                  f"delete it or resume with the same settings")
         return state

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from .data import data_dir
+from .errors import ParameterError, SourceError
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def _stock_dir() -> Path:
 def check_tasks(tasks: list[str]) -> None:
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise ValueError(f"unknown task(s) {unknown}: spap knows {', '.join(TASKS)}")
+        raise ParameterError(f"unknown task(s) {unknown}: spap knows {', '.join(TASKS)}")
 
 
 def local_configs(tasks: list[str], out_dir: str | Path, root: Path | None = None, hub: bool = False) -> dict[str, str]:
@@ -118,7 +119,7 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
     from lm_eval.tasks import TaskManager
 
     if tokenizer is None:
-        raise ValueError("zero-shot evaluation needs the model's tokenizer (the checkpoint has none)")
+        raise SourceError("zero-shot evaluation needs the model's tokenizer (the checkpoint has none)")
     with tempfile.TemporaryDirectory(prefix="spap_tasks_") as tmp:
         names = local_configs(tasks, tmp, hub=hub)
         manager = TaskManager(include_path=tmp)
@@ -175,7 +176,8 @@ def table3(table, stderr: bool = False):
     acc = picked.pivot_table(index=index, columns="task", values="value")[tasks] * 100
     acc["mean"] = acc.mean(axis=1)
     if stderr:
-        se = picked.pivot_table(index=index, columns="task", values="stderr").reindex(index=acc.index, columns=tasks) * 100
+        se = picked.pivot_table(index=index, columns="task", values="stderr")
+        se = se.reindex(index=acc.index, columns=tasks) * 100
         se["mean"] = np.sqrt((se**2).sum(axis=1, min_count=len(tasks))) / len(tasks)
         acc = acc.combine(se, lambda a, e: pd.Series(
             [f"{x:.2f}" if np.isnan(y) else f"{x:.2f} ± {y:.2f}" for x, y in zip(a, e)], index=a.index))

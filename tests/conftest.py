@@ -81,3 +81,26 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.fixture(autouse=True)
+def _python_surface():
+    """Each test starts with messages in Python's words (a notebook's parameter check switches them to
+    papermill's for the rest of its kernel; in-process tests share one)."""
+    from spap_lib.errors import surface
+
+    with surface("python"):
+        yield
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path, tiny_tokenizer):
+    """``tiny_checkpoint(arch)``: a tiny random model of ``arch`` saved with the tiny tokenizer as a checkpoint
+    folder (what a user passes as a local model); returns its path."""
+    def save(arch: str = "llama"):
+        path = tmp_path / f"tiny-{arch}"
+        tiny_model(arch).save_pretrained(path)
+        tiny_tokenizer.save_pretrained(path)
+        return path
+    return save
+

@@ -21,9 +21,33 @@ def test_dockerfile_lints_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_code_lints_clean():
+    """ruff (pyproject.toml [tool.ruff]: pycodestyle and pyflakes, 120 columns) on spap_lib, bench and tests."""
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.fail("ruff not installed (requirements.txt: ruff)")
+    proc = subprocess.run([ruff, "check", "--no-cache", "."], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_readme_is_a_short_manual_with_docs_for_the_depth():
+    """README.md stays a manual a newcomer reads in minutes; every docs/ page exists and is linked from it, and
+    no committed text carries a path of the machine that made it."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
+    assert {"method.md", "results.md", "scale.md", "reliability.md", "parameters.md", "reproduce.md"} <= set(pages)
+    assert all(f"(docs/{page})" in readme for page in pages)
+    home = str(Path.home())
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "results").glob("*.*"),
+                 *(REPO / "bench" / "results").glob("*.md")]:
+        text = path.read_text()
+        assert str(REPO) not in text and f"{home}/" not in text, path
+
+
 def test_torch_is_pinned_everywhere():
     for name in ("requirements.txt", "constraints.txt"):
-        lines = [l.strip() for l in (REPO / name).read_text().splitlines()]
+        lines = [line.strip() for line in (REPO / name).read_text().splitlines()]
         assert "torch==2.13.0" in lines, name
     assert "-r requirements.txt" in (REPO / "environment.yml").read_text()
 
@@ -159,7 +183,8 @@ def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path, mo
 
     table = pd.read_csv(REPO / "results" / "ablation.csv", keep_default_na=False)
     # one calibration size: the calibration-size study adds a second SmolLM2 spap 20% cell (128 x 512)
-    table = table[(table["model"] == "smollm2-135m") & (table["nsamples"].astype(int) == 32)].astype({"resumed_at_layer": str})
+    table = table[(table["model"] == "smollm2-135m") & (table["nsamples"].astype(int) == 32)]
+    table = table.astype({"resumed_at_layer": str})
     label = "spap/" + PAPER_UPDATE  # a SPAP cell of this protocol
     table["resumed_at_layer"] = ["7" if (m, s) == (label, 0.2) else ""
                                  for m, s in zip(table["label"], table["sparsity"])]

@@ -15,13 +15,8 @@ TINY = ["--nsamples", "4", "--seqlen", "24", "--eval-seqlen", "24", "--eval-wind
 
 
 @pytest.fixture
-def checkpoint(tmp_path, tiny_tokenizer):
-    from conftest import tiny_model
-
-    path = tmp_path / "tiny-llama"
-    tiny_model("llama").save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint()
 
 
 def test_prune_writes_the_notebooks_checkpoint_and_eval_reads_it(checkpoint, tmp_path, capsys):

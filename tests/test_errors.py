@@ -117,7 +117,8 @@ def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path):
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         resolve(str(tmp_path))
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert resolve(str(tmp_path)).kind == "dir"
+    with pytest.raises(ValueError, match="has a config.json but no weights"):  # never a random initialisation
+        resolve(str(tmp_path))
 
 
 def test_round_to_keeps_a_multiple(loaded):
@@ -135,9 +136,10 @@ def test_underdetermined_fit_warns_only_for_methods_that_fit():
     SPAP is warned about it, a score-only method (nothing is fitted) is not."""
     import warnings
 
+    from conftest import tiny_model
+
     from spap_lib.adapters import get_adapter
     from spap_lib.models import Loaded, ModelSource
-    from conftest import tiny_model
 
     calib = Calibration(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)),
                         torch.arange(2), "v", "s", 1, 0)  # 32 tokens < width 64

@@ -13,6 +13,7 @@ from spap_lib.models import Loaded, ModelSource
 
 def _grid(arch, tokenizer, windows):
     from conftest import tiny_model
+
     from spap_lib.adapters import get_adapter
 
     model = tiny_model(arch)
@@ -224,3 +225,25 @@ def test_a_grid_cell_interrupted_mid_way_resumes_by_layer(tiny_tokenizer, window
     assert layers == [2] and not saved.exists() and list(table["label"]) == ["dense", "fasp"]
     # the row says its time is of layers 2.. only (the first process's layers ran before it)
     assert list(table["resumed_at_layer"]) == [0, 2]
+
+
+def test_each_calibration_budget_is_its_own_panel_and_the_paper_stands_beside_ours(tmp_path):
+    from spap_lib.figures import beside_paper
+
+    rows = [{"model": "smollm2-135m", "label": label, "method": label, "sparsity": s, "eval_seqlen": 512,
+             "eval_windows": 40, "nsamples": n, "seqlen": 512, "ppl": 20.0 * (1 + s) * (1.1 if n == 32 else 1.0)}
+            for n in (32, 128) for label in ("fasp", "spap", "cfsp") for s in (0.1, 0.2, 0.3)]
+    rows.append({**rows[0], "label": "dense", "method": "dense", "sparsity": 0.0, "ppl": 20.0})
+    csv = tmp_path / "r.csv"
+    pd.DataFrame(rows).to_csv(csv, index=False)
+    fig = figure2(csv, tmp_path / "fig.png")
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["smollm2-135m (calibration 32×512)", "smollm2-135m (calibration 128×512)"]
+    paper = tmp_path / "paper.csv"
+    pd.DataFrame([{"table": "table2", "model": "llama-3.2-1b", "method": m, "sparsity": s, "metric": "wikitext2_ppl",
+                   "value": v} for m, s, v in (("dense", 0, 10.0), ("spap", 0.2, 12.5), ("fasp", 0.2, 13.0))]
+                 ).to_csv(paper, index=False)
+    t = beside_paper(csv, paper, "128×512").set_index("method")
+    assert list(t.index) == ["dense", "cfsp", "fasp", "spap"]
+    assert t.loc["spap", "20% ours"] == "24.00 (+20.0%)" and t.loc["spap", "20% paper"] == "12.50 (+25.0%)"
+    assert t.loc["cfsp", "20% paper"] == "" and t.loc["dense", "20% paper"] == "10.00"

@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-from spap_lib.linalg import NumericalError, lstsq_columns, ridge
-from spap_lib.methods.spap import alternating_update, penalty_method
 from spap_lib.adapters import MLP
-from spap_lib.linalg import gram
+from spap_lib.linalg import NumericalError, gram, lstsq_columns, ridge
+from spap_lib.methods.spap import alternating_update, penalty_method
 
 
 def _data(n=12, d=5, N=200, seed=0):
@@ -252,7 +251,8 @@ def test_spap_float32_keeps_the_float64_channels_on_a_layer(loaded, windows):
 
     hidden, kwargs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 4, "cpu")
     layer = loaded.adapter.layers()[0]
-    _, X = replay(layer, hidden, {b: kw[0] for b, kw in kwargs.items()}, 4, watch=loaded.adapter.mlp_input_module(layer))
+    _, X = replay(layer, hidden, {b: kw[0] for b, kw in kwargs.items()}, 4,
+                  watch=loaded.adapter.mlp_input_module(layer))
     results = {}
     for precision, dtype in (("float64", torch.float64), ("float32", torch.float32)):
         method = sl.get_method("spap", K=10, am_iters=0, precision=precision)
@@ -261,3 +261,33 @@ def test_spap_float32_keeps_the_float64_channels_on_a_layer(loaded, windows):
         assert problem.H.dtype == dtype
     assert torch.equal(results["float32"].keep, results["float64"].keep)
     torch.testing.assert_close(results["float32"].mlp.W_out, results["float64"].mlp.W_out, rtol=1e-3, atol=1e-3)
+
+
+def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(monkeypatch):
+    """``resample``: every round's closed form sees its own token sample (so the rounds see more of the
+    tokens than one sample holds), the rounds are ranked on the first sample, the best round is refitted
+    on every token and never returned worse than the start."""
+    import spap_lib.methods.spap as spap_mod
+
+    pruned, X, Y = _update_problem()
+    H, YZ = gram(pruned, X, 700, Y)
+    samples = []
+    real_gram = spap_mod.gram
+    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: samples.append(X_.clone()) or
+                        real_gram(m, X_, *a, **k))
+    out, errors = alternating_update(pruned, X, Y, H, YZ, iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
+                                     damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True, resample=True)
+    assert [len(x) for x in samples] == [500] * 4 + [3000]  # four sampled rounds, then the full refit
+    seen = {tuple(row.tolist()) for x in samples[:4] for row in x}
+    assert len(seen) > 1500  # four draws of 500 from 3000 tokens, not one sample four times
+    err = float(((out(X) - Y).double() ** 2).sum() / (Y.double() ** 2).sum())
+    assert err == pytest.approx(errors["final"], rel=1e-4) and errors["final"] < 0.9 * errors["start"]
+
+
+def test_spap_gd_refuses_resampling_it_cannot_do():
+    import spap_lib as sl
+    from spap_lib.checks import ParameterError
+
+    assert sl.get_method("spap").sketch_resample and not sl.get_method("spap_gd").sketch_resample
+    with pytest.raises(ParameterError, match="sketch_resample must be False"):
+        sl.get_method("spap_gd", sketch_resample=True)

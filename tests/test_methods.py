@@ -51,6 +51,7 @@ def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, ti
 def test_nonuniform_checkpoint_is_refused_by_stock_loading(tmp_path, windows, tiny_tokenizer):
     """Per-layer widths cannot load silently wrong: stock from_pretrained refuses the shapes."""
     from conftest import tiny_model
+
     from spap_lib.models import Loaded, ModelSource
 
     model = tiny_model("llama")
@@ -79,6 +80,7 @@ def test_flap_bias_compensation_keeps_the_mean_output(windows):
     """FLAP adds the removed channels' mean contribution, so the pruned MLP's mean output over the
     calibration tokens equals the dense one (and Llama checkpoints carry it via mlp_bias)."""
     from conftest import tiny_model
+
     from spap_lib.models import Loaded, ModelSource
 
     model = tiny_model("llama")
@@ -95,6 +97,7 @@ def test_flap_bias_compensation_keeps_the_mean_output(windows):
 @pytest.mark.parametrize("arch_name", ["gemma3", "qwen2"])
 def test_flap_refuses_models_without_a_bias_slot_before_any_work(arch_name, windows, monkeypatch):
     from conftest import tiny_model
+
     from spap_lib import pipeline
     from spap_lib.models import Loaded, ModelSource
 
@@ -165,8 +168,9 @@ def test_spap_ablations_share_the_penalty_stage(loaded, windows):
     assert torch.equal(gd.keep, base.keep)
     # the reported errors are the real ones, and gradient descent moved every projection to a lower one
     YY = float(problem.Y.double().pow(2).sum())
-    assert gd.info["rel_error_penalty"] == pytest.approx(calibration_error(base.mlp, problem.X, problem.Y, 64) / YY, rel=1e-6)
-    assert gd.info["rel_error_final"] == pytest.approx(calibration_error(gd.mlp, problem.X, problem.Y, 64) / YY, rel=1e-6)
+    start, final = (calibration_error(m, problem.X, problem.Y, 64) / YY for m in (base.mlp, gd.mlp))
+    assert gd.info["rel_error_penalty"] == pytest.approx(start, rel=1e-6)
+    assert gd.info["rel_error_final"] == pytest.approx(final, rel=1e-6)
     assert gd.info["rel_error_final"] < 0.99 * gd.info["rel_error_penalty"]
     assert not torch.equal(gd.mlp.W_in[0], base.mlp.W_in[0]) and not torch.equal(gd.mlp.W_out, base.mlp.W_out)
     with pytest.raises(ValueError, match="no update stage"):
@@ -189,6 +193,7 @@ def test_allocations_spend_exactly_the_budget():
 def test_score_method_paths_agree(arch, windows):
     """The dense-statistics path (grid) and the per-layer path give the same channels (uniform)."""
     from conftest import tiny_model
+
     from spap_lib.models import Loaded, ModelSource
 
     def fresh():
@@ -230,6 +235,7 @@ def test_unknown_method_or_allocation_is_explained():
 def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp_path):
     """SPAP can take non-uniform budgets (decided on dense statistics) and still spend exactly the plan."""
     from conftest import tiny_model
+
     from spap_lib.models import Loaded, ModelSource
 
     model = tiny_model("llama")

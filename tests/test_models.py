@@ -65,8 +65,8 @@ def test_qwen_coder_has_the_qwen2_5_0_5b_architecture():
 
 def test_chunk_pins_match_the_requirements_file():
     spec = models.CHUNKED_GGUF["qwen2.5-coder-0.5b"]
-    lines = [l for l in (models.Path(__file__).parents[1] / "requirements-qwen.txt").read_text().splitlines()
-             if l and not l.startswith("#")]
+    text = (models.Path(__file__).parents[1] / "requirements-qwen.txt").read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert lines == [f"{spec.dist}{k}=={spec.version}" for k in range(1, spec.parts + 1)]
 
 

@@ -23,13 +23,8 @@ TINY_SPAP = {"K": 3, "am_iters": 1, "adam_steps": 2}
 
 
 @pytest.fixture
-def checkpoint(tmp_path, arch, tiny_tokenizer):
-    from conftest import tiny_model
-
-    path = tmp_path / f"tiny-{arch}"
-    tiny_model(arch).save_pretrained(path)
-    tiny_tokenizer.save_pretrained(path)
-    return path
+def checkpoint(tiny_checkpoint, arch):
+    return tiny_checkpoint(arch)
 
 
 def _calib(n=4, seqlen=24):
@@ -92,7 +87,8 @@ def test_offload_modes_give_the_same_prune_and_checkpoint(checkpoint, tmp_path, 
     kept, dense, pruned, logits, _ = results["none"]
     for mode in MODES[1:]:
         assert results[mode][0] == kept, f"offload={mode} kept other channels"
-        assert results[mode][1] == pytest.approx(dense, rel=1e-6) and results[mode][2] == pytest.approx(pruned, rel=1e-6)
+        assert results[mode][1] == pytest.approx(dense, rel=1e-6)
+        assert results[mode][2] == pytest.approx(pruned, rel=1e-6)
         assert float((results[mode][3] - logits).abs().max()) <= 1e-4
         assert results[mode][4] == mode
     if method == "spap":  # uniform widths: the disk mode wrote a sharded, stock-loadable checkpoint
@@ -144,15 +140,21 @@ def test_spilled_activations_read_back_what_was_written(tmp_path, dtype):
         spilled[::2]
 
 
-def test_a_killed_runs_spill_folder_is_removed(tmp_path, checkpoint):
-    from spap_lib.io import _HOST
+@pytest.mark.parametrize("run", ["load with disk offload", "check_run of any run"])
+def test_a_killed_runs_spill_folder_is_removed(tmp_path, checkpoint, run):
+    """A killed disk-offload prune leaves its spill folder; the next run of any kind removes it."""
+    import spap_lib as sl
+    from spap_lib.io import HOST
 
-    dead = tmp_path / f"{SPILL_PREFIX}{_HOST}-999999999-abc"
+    dead = tmp_path / f"{SPILL_PREFIX}{HOST}-{2**22 + 12345}-abc"  # above Linux's largest pid: never alive
     dead.mkdir()
     (dead / "layer-00000.safetensors").write_bytes(b"x")
-    mine = tmp_path / f"{SPILL_PREFIX}{_HOST}-{os.getpid()}-abc"
+    mine = tmp_path / f"{SPILL_PREFIX}{HOST}-{os.getpid()}-abc"
     mine.mkdir()
-    load(str(checkpoint), device="cpu", offload="disk", spill_dir=tmp_path)
+    if run.startswith("load"):
+        load(str(checkpoint), device="cpu", offload="disk", spill_dir=tmp_path)
+    else:
+        sl.check_run(str(checkpoint), method="magnitude", sparsity=0.2, spill_dir=tmp_path)
     assert not dead.exists() and mine.exists()  # a live process's spill is never touched
 
 
@@ -189,7 +191,7 @@ def test_auto_offload_is_the_fastest_that_fits(monkeypatch):
     small_host = plan("llama-3.1-8b", device="rtx4090", offload="auto", host_memory_gb=12)
     assert small_host.offload == "disk" and small_host.fits and small_host.peak_host_gb <= 12
     no_disk = plan("llama-3.1-8b", device="rtx4090", offload="auto", host_memory_gb=12, disk_free_gb=1)
-    assert no_disk.offload == "disk" and not no_disk.fits and "of 1 GB free" in no_disk.table()
+    assert no_disk.offload == "disk" and not no_disk.fits and "of 1.0 GB free" in no_disk.table()
     big = plan("llama-3.1-70b", device="h100", offload="auto", host_memory_gb=128)
     assert big.offload == "disk" and big.fits
 

@@ -1,7 +1,6 @@
 """Invariants on tiny random OPT, Llama, Qwen2 and Gemma-3 models."""
 import json
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 

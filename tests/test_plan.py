@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib import plan as plan_mod
 from spap_lib.checks import ParameterError
 from spap_lib.plan import GB, plan
 

@@ -35,9 +35,9 @@ def test_kept_channels_reapplied_to_dense_weights_give_the_pruned_model(arch, wi
     import copy
 
     import torch
+    from conftest import tiny_model
 
     import spap_lib as sl
-    from conftest import tiny_model
 
     dense = tiny_model(arch)
     pruned = copy.deepcopy(dense)

@@ -104,8 +104,10 @@ def test_unwritable_out_dir_is_refused_before_any_work(tmp_path):
         ro = base / "ro"
         ro.mkdir()
         os.chmod(ro, 0o555)
-        code = ("import importlib.util, os, sys\n"
-                f"spec = importlib.util.spec_from_file_location('spap_io', {io.__file__!r})\n"
+        code = ("import importlib.util, os, sys, types\n"  # spap_lib.io alone, without torch (see _CHILD)
+                "pkg = sys.modules['spap_lib'] = types.ModuleType('spap_lib')\n"
+                f"pkg.__path__ = [{str(Path(io.__file__).parent)!r}]\n"
+                f"spec = importlib.util.spec_from_file_location('spap_lib.io', {io.__file__!r})\n"
                 "io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)\n"
                 "if os.getuid() == 0: os.setgid(65534); os.setuid(65534)\n"
                 f"try: io.check_out_dir({str(ro / 'out')!r})\n"
@@ -225,7 +227,8 @@ def test_notebook_parameters_refuse_unknown_names_and_wrong_types():
 
     sl.check_notebook_parameters(namespace(), "02_prune")
     sl.check_notebook_parameters(namespace(eval_windows=None, sparsity=1), "02_prune")
-    with pytest.raises(ParameterError, match=r"does not take the parameter\(s\) 'sparsty' \(did you mean 'sparsity'\?\)"):
+    typo = r"does not take the parameter\(s\) 'sparsty' \(did you mean 'sparsity'\?\)"
+    with pytest.raises(ParameterError, match=typo):
         sl.check_notebook_parameters(namespace(sparsty=0.5), "02_prune")
     for name, value, message in (("overwrite", "False", "overwrite must be a boolean"),
                                  ("eval_windows", 4.0, "eval_windows must be an integer"),
@@ -343,8 +346,11 @@ def test_gpt2_is_named_as_an_unsupported_architecture(tmp_path):
 # -- leftovers and kills ----------------------------------------------------------------------------
 
 _CHILD = r"""
-import importlib.util, os, shutil, signal, sys
-spec = importlib.util.spec_from_file_location("spap_io", sys.argv[1])
+import importlib.util, os, shutil, signal, sys, types
+# spap_lib.io and the errors it imports, without the package's __init__ (torch): a fast child
+pkg = sys.modules["spap_lib"] = types.ModuleType("spap_lib")
+pkg.__path__ = [os.path.dirname(sys.argv[1])]
+spec = importlib.util.spec_from_file_location("spap_lib.io", sys.argv[1])
 io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)
 target, kill_at, exchange = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "exchange"
 calls = [0]
@@ -406,8 +412,8 @@ def test_a_kill_at_any_step_of_a_save_loses_nothing(tmp_path, mode):
 
 def test_leftovers_of_live_runs_are_left_alone(tmp_path):
     out = tmp_path / "ckpt"
-    mine = out.with_name(f".ckpt.spap-tmp-{io._HOST}-{os.getpid()}-abc123")  # this process: alive
-    dead = out.with_name(f".ckpt.spap-old-{io._HOST}-999999999-abc123")
+    mine = out.with_name(f".ckpt.spap-tmp-{io.HOST}-{os.getpid()}-abc123")  # this process: alive
+    dead = out.with_name(f".ckpt.spap-old-{io.HOST}-999999999-abc123")
     other = out.with_name(".ckpt.spap-tmp-otherhost-1-abc123")  # another machine's, on a shared disk
     for p in (mine, dead, other):
         p.mkdir()

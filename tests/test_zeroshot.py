@@ -30,7 +30,8 @@ def test_an_interrupted_evaluation_resumes_from_the_request_cache(tmp_path, monk
     loaded = sl.load("smollm2-135m", device="cpu")
     sent = []
     real = HFLM.loglikelihood
-    monkeypatch.setattr(HFLM, "loglikelihood", lambda self, requests, **k: sent.append(len(requests)) or real(self, requests, **k))
+    monkeypatch.setattr(HFLM, "loglikelihood",
+                        lambda self, requests, **k: sent.append(len(requests)) or real(self, requests, **k))
     args = (loaded.model, loaded.tokenizer, ["rte"])
     zeroshot.evaluate(*args, limit=2, cache_dir=tmp_path)
     resumed = zeroshot.evaluate(*args, limit=4, cache_dir=tmp_path)

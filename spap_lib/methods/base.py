@@ -90,7 +90,7 @@ class LayerProblem:
         return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 
-class Unsupported(ValueError):
+class Unsupported(ParameterError):
     """A method cannot prune this architecture (raised by ``Method.prepare``, before any work)."""
 
 
@@ -123,6 +123,9 @@ class Method:
     # Whether ``prune`` uses the dense targets ``Y`` per token (the update's Adam steps): the pipeline then
     # has ``LayerProblem`` compute them in the Gram pass.
     uses_targets: ClassVar[bool] = False
+    # What one round of the method's update costs, for the plan: "closed_form" (Gram pass + solve of the
+    # output projection, SPAP's alternating minimisation), "forward" (an error pass, gradient descent) or None.
+    update_round: ClassVar[str | None] = None
     # How the channel budget may be spread over layers: the ones a method offers, and its choice (a
     # hyperparameter field in methods that offer more than one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)

@@ -15,7 +15,6 @@ import torch
 from ..checks import hp
 from ..linalg import PRECISION_CHOICES, lstsq_columns, mean_diag
 from .base import LayerProblem, Method, PruneResult, register
-from .spap import get_out, set_out
 
 
 @register
@@ -32,7 +31,7 @@ class FASP(Method):
         score = dense.W_out.double().abs().sum(0) * xnorm
         keep = torch.sort(torch.topk(score, n - problem.n_remove).indices).values
         cols = torch.cat([keep, keep.new_tensor([n])]) if problem.has_bias else keep
-        W0 = get_out(dense).to(H.dtype)
+        W0 = dense.out_augmented().to(H.dtype)
         mlp = dense.select(keep)
-        set_out(mlp, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])))
+        mlp.set_out_augmented(lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])))
         return PruneResult(mlp=mlp, keep=keep)

@@ -42,7 +42,9 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
   fixed uniform sample of ``sketch_tokens`` tokens, and the rounds' products (Adam's forward and
   backward, ``Z`` and ``Y Zᵀ``) take bf16 inputs with float32 sums (``update_precision="bf16"``). The
   best round's output projection is then refitted once on every token at ``precision``, and the start
-  wins unless that refit beats it. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
+  wins unless that refit beats it. With ``sketch_resample`` (default) each round's closed form draws a
+  fresh sample, so the rounds together see most of the tokens; they are ranked by a forward pass on the
+  first sample. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
 """
 from __future__ import annotations
 
@@ -140,19 +142,6 @@ def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY:
     return float(YY - 2 * (W * YZ.double()).sum() + ((W @ H.double()) * W).sum())
 
 
-def get_out(mlp: MLP) -> torch.Tensor:
-    """``[W_out | b_out]``: the output projection as one least-squares unknown (``set_out``'s inverse)."""
-    return torch.cat([mlp.W_out, mlp.b_out[:, None]], 1) if mlp.b_out is not None else mlp.W_out
-
-
-def set_out(mlp: MLP, W: torch.Tensor) -> None:
-    """Write ``[W_out | b_out]`` (the augmented least-squares solution) into ``mlp``."""
-    if mlp.b_out is not None:
-        mlp.W_out, mlp.b_out = W[:, :-1].float().contiguous(), W[:, -1].float().contiguous()
-    else:
-        mlp.W_out = W.float().contiguous()
-
-
 @contextmanager
 def trainable(params: list[torch.Tensor]):
     """Gradients for ``params`` inside the block only (the pipeline runs everything else without)."""
@@ -242,15 +231,18 @@ def alternating_update(
     lr_scale: str = "rms",
     sketch_tokens: int = 0,
     low: bool = False,
+    resample: bool = False,
 ) -> tuple[MLP, dict]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
     ``H`` and ``YZ`` are ``Z̃ Z̃ᵀ`` and ``Y Z̃ᵀ`` of the starting point (known from the penalty stage).
     Cheap rounds (deviations): each round's closed form and error use ``sketch_tokens`` tokens
     (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best round's output
-    projection is then refitted once on every token at the method's precision (``best_round``).
-    Returns the MLP and the relative calibration errors of the start, of every round (on the rounds'
-    data) and of the result.
+    projection is then refitted once on every token at the method's precision (``best_round``). With
+    ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
+    so the output projection does not overfit one sample), and the rounds are ranked by the error of a
+    forward pass on the first sample. Returns the MLP and the relative calibration errors of the start,
+    of every round (on the rounds' data) and of the result.
     """
     YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     n, dtype = mlp.width, H.dtype
@@ -265,16 +257,23 @@ def alternating_update(
         with torch.no_grad():
             H, YZ = gram(m, X, chunk, Y, dtype=dtype, low=low)
             W = ridge(YZ, H, damping(H, n, damp))
-            set_out(m, W)
+            m.set_out_augmented(W)
             return reconstruction_error(W, H, YZ, YY) / YY
+
+    draws = iter(range(1, iters + 1))
 
     def one_round(m: MLP) -> float:
         # (1) the input projections: Adam on ‖Y − W σ(W_in X)‖² with the output projection W fixed
         adam_steps_on(m, X, Y, opt, gen, adam_steps, batch_tokens, low)
-        return closed_form(m, Xr, Yr, YYr, low)
+        if not (resample and Xr is not X):
+            return closed_form(m, Xr, Yr, YYr, low)
+        Xs, Ys = subsample(X, Y, sketch_tokens, seed + next(draws))
+        closed_form(m, Xs, Ys, 1.0, low)
+        with products(low, X.device):
+            return calibration_error(m, Xr, Yr, chunk) / YYr
 
     with trainable(W_in):
-        return best_round(mlp, iters, one_round, start_error=reconstruction_error(get_out(mlp), H, YZ, YY) / YY,
+        return best_round(mlp, iters, one_round, start_error=reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY,
                           exact=Xr is X and not low, full_error=lambda m: closed_form(m, X, Y, YY, False))
 
 
@@ -292,6 +291,7 @@ class SPAP(Method):
     name = "spap"
     ours = True
     uses_targets = True  # the update's Adam steps fit the dense outputs token by token
+    update_round = "closed_form"
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
     # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
     t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, doubles the error)
@@ -315,6 +315,9 @@ class SPAP(Method):
     # the rounds' products (Adam steps, the sampled Gram passes): "bf16" inputs with float32 sums, or "full"
     # (``precision``'s); sketch_tokens=0 with "full" is the paper's update
     update_precision: str = hp("bf16", choices=("bf16", "full"))
+    # a fresh token sample for each round's closed form, the rounds ranked by a forward pass on the first
+    # sample: one fixed sample let the rounds overfit it (bench/results/speed_*.md)
+    sketch_resample: bool = True
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
     allocation: str = "uniform"
@@ -327,11 +330,11 @@ class SPAP(Method):
         """Alg. 1 on the dense MLP: the kept channels and the refitted output projection."""
         dense = problem.dense
         keep, W_keep, info = penalty_method(
-            get_out(dense), problem.H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
+            dense.out_augmented(), problem.H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
             t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
         )
         mlp = dense.select(keep)
-        set_out(mlp, W_keep)
+        mlp.set_out_augmented(W_keep)
         return mlp, keep, info
 
     def prune(self, problem: LayerProblem) -> PruneResult:
@@ -340,12 +343,12 @@ class SPAP(Method):
             # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
             cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
             H = problem.H[cols][:, cols]
-            YZ = get_out(problem.dense).to(problem.dtype) @ problem.H[:, cols]
+            YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
             mlp, errors = alternating_update(
                 mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
                 batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
                 seed=problem.seed + problem.layer_index, lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens,
-                low=self.update_precision == "bf16",
+                low=self.update_precision == "bf16", resample=self.sketch_resample,
             )
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
@@ -370,7 +373,8 @@ class SPAPNoUpdate(SPAP):
 
 @torch.no_grad()
 def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
-    return sum(float((mlp(x.float()) - y.float()).double().pow(2).sum()) for x, y in zip(X.split(chunk), Y.split(chunk)))
+    return sum(float((mlp(x.float()) - y.float()).double().pow(2).sum())
+               for x, y in zip(X.split(chunk), Y.split(chunk)))
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
@@ -404,6 +408,14 @@ class SPAPGD(SPAP):
 
     name = "spap_gd"
     ablation_of = "spap"
+    update_round = "forward"
+    sketch_resample: bool = False  # no closed form to draw samples for: its rounds are Adam steps on every token
+
+    def validate(self) -> None:
+        super().validate()
+        if self.sketch_resample:
+            raise ParameterError("spap_gd has no closed-form step to resample for: sketch_resample must be False "
+                                 "(its Adam steps draw from every token already)")
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         mlp, keep, info = self.penalty_stage(problem)

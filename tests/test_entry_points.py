@@ -1,0 +1,194 @@
+"""Nothing silently wrong on any entry point: the ``spap`` command, safetensors sources, resume folders,
+full disks. The command is the surface, so most cases run it as a subprocess: a user error is one line
+on stderr and exit status 2, before any weight is read; never exit 0 with a wrong result."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import spap_lib as sl
+from spap_lib.cli import main
+from spap_lib.errors import OutputError, ParameterError, SourceError, SpapError, surface
+
+TINY = ["--nsamples", "4", "--seqlen", "24", "--eval-seqlen", "24", "--eval-windows", "2", "--device", "cpu"]
+
+
+def spap(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spap_lib.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+
+
+def refused(result: subprocess.CompletedProcess, *words: str) -> str:
+    """Exit 2, one line on stderr naming ``words``, no traceback."""
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and len([line for line in err if line.startswith("spap ")]) == 1
+    for word in words:
+        assert word in result.stderr, (word, result.stderr)
+    return result.stderr
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint()
+
+
+def _edit_weights(path: Path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+# -- every source is checked before any work ------------------------------------------------------
+
+def test_a_checkpoint_missing_a_tensor_is_refused_by_every_command_and_offload(checkpoint, tmp_path):
+    _edit_weights(checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    refused(spap("eval", checkpoint, *TINY[4:]), "missing", name)
+    refused(spap("prune", checkpoint, "--method", "magnitude", "--out", tmp_path / "o", *TINY), name)
+    refused(spap("prune", checkpoint, "--method", "magnitude", "--offload", "disk", "--out", tmp_path / "o", *TINY),
+            name)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SourceError, match="missing"):  # the library too: never a random initialisation
+        sl.load(str(checkpoint), device="cpu")
+
+
+def test_truncated_misshapen_extra_and_absent_weights_are_named(checkpoint, tmp_path):
+    weights = checkpoint / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100])
+    refused(spap("eval", checkpoint, *TINY[4:]), "truncated", "model.safetensors")
+    weights.write_bytes(data)
+
+    def widen(t):
+        t["model.layers.0.mlp.down_proj.weight"] = torch.zeros(32, 80)
+    _edit_weights(checkpoint, widen)
+    refused(spap("eval", checkpoint, *TINY[4:]), "shape", "model.layers.0.mlp.down_proj.weight", "[32, 64]")
+    weights.write_bytes(data)
+    _edit_weights(checkpoint, lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(64, 32)}))
+    refused(spap("eval", checkpoint, *TINY[4:]), "does not use", "model.layers.7")
+    weights.unlink()
+    refused(spap("eval", checkpoint, *TINY[4:]), "no weights")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(spap("eval", checkpoint, *TINY[4:]), "lacks shard", "model-00001-of-00002.safetensors")
+
+
+def test_a_complete_checkpoint_of_every_architecture_passes_the_check(arch, tmp_path):
+    from conftest import tiny_model
+
+    from spap_lib.models import ModelSource, check_source_weights
+
+    tiny_model(arch).save_pretrained(tmp_path / arch)
+    check_source_weights(ModelSource(arch, "dir", str(tmp_path / arch)))  # no false alarm (tied heads, OPT names)
+
+
+def test_an_unreachable_hub_id_in_plan_is_one_line():
+    refused(spap("plan", "no-such-org/no-such-model"), "no-such-org/no-such-model")
+
+
+# -- everything knowable up front is checked up front ---------------------------------------------
+
+@pytest.mark.parametrize("out, words", [("", ["names no new folder", "--out pruned"]),
+                                        (".", ["names no new folder"])])
+def test_an_unusable_out_is_refused_before_loading(checkpoint, out, words):
+    refused(spap("prune", checkpoint, "--out", out, *TINY), *words)
+
+
+def test_round_to_that_removes_nothing_is_refused_and_sparsity_zero_keeps_the_model(checkpoint, tmp_path, windows):
+    refused(spap("prune", checkpoint, "--round-to", "1000", "--out", tmp_path / "o", *TINY),
+            "removes no MLP channel", "round_to")
+    loaded = sl.load(str(checkpoint), device="cpu")
+    before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
+    from spap_lib.data import Calibration
+
+    report = sl.prune(loaded, Calibration(windows, torch.arange(4), "validation", "t", 10_000, 0), "spap", 0.0,
+                      progress=False)
+    after = loaded.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # not even the refit of down_proj
+    assert report["sparsity"]["achieved_decoder"] == 0 and report["seconds"] == 0 and report["layers"] == []
+
+
+def test_a_full_disk_is_found_before_the_prune_with_the_flag_to_change(checkpoint, tmp_path, monkeypatch, capsys):
+    import spap_lib.api as api
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(api.shutil, "disk_usage", lambda p: real(p)._replace(free=1024))
+    called = []
+    monkeypatch.setattr(sl, "load", lambda *a, **k: called.append(1))
+    assert main(["prune", str(checkpoint), "--out", str(tmp_path / "o"), "--offload", "none", *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "the pruned checkpoint needs about" in err and "MB" in err and "--out" in err and not called
+
+
+def test_resume_dir_is_checked_before_loading(checkpoint, tmp_path):
+    folder = tmp_path / "r"
+    folder.write_text("a file")
+    refused(spap("prune", checkpoint, "--resume-dir", folder, "--out", tmp_path / "o", *TINY), "is a file")
+    folder.unlink()
+    folder.mkdir()
+    (folder / "state.json").write_text('{"version": 3}')
+    refused(spap("prune", checkpoint, "--resume-dir", folder, "--out", tmp_path / "o", *TINY), "spap did not write")
+    (folder / "state.json").write_text('{"fingerprint": ')
+    refused(spap("prune", checkpoint, "--resume-dir", folder, "--out", tmp_path / "o", *TINY),
+            str(folder / "state.json"))
+    # another run's layers: refused in check_run, from the config alone (no load, no calibration)
+    (folder / "state.json").write_text(json.dumps({"fingerprint": {"model": str(checkpoint), "method": "fasp"},
+                                                   "next": 1, "hidden": {}}))
+    with pytest.raises(ParameterError, match="another run.*method"):
+        sl.check_run(str(checkpoint), method="spap", sparsity=0.2, resume_dir=folder)
+
+
+def test_a_first_commit_cut_short_is_restarted_not_refused(checkpoint, tmp_path, windows):
+    from spap_lib.data import Calibration
+    from spap_lib.resume import check_folder
+
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / ".layer_000.tmp").write_bytes(b"half")  # killed inside the first layer's save
+    assert check_folder(folder) == "restart"
+    loaded = sl.load(str(checkpoint), device="cpu")
+    report = sl.prune(loaded, Calibration(windows, torch.arange(4), "validation", "t", 10_000, 0), "fasp", 0.25,
+                      progress=False, resume_dir=folder)
+    assert report["resumed_at_layer"] == 0 and not folder.exists()  # done: its files cleared
+
+
+# -- messages speak the caller's language ---------------------------------------------------------
+
+def test_the_existing_checkpoint_refusal_names_the_callers_flag(checkpoint, tmp_path):
+    out = tmp_path / "o"
+    assert spap("prune", checkpoint, "--method", "magnitude", "--no-eval", "--out", out, *TINY).returncode == 0
+    refused(spap("prune", checkpoint, "--method", "magnitude", "--no-eval", "--out", out, *TINY), "pass --overwrite")
+    for where, text in (("papermill", "-p overwrite True"), ("python", "overwrite=True")):
+        with surface(where), pytest.raises(OutputError, match=text):
+            sl.io.check_out_dir(out)
+
+
+def test_malformed_hparams_quote_the_text(checkpoint, tmp_path):
+    result = spap("prune", checkpoint, "--hparams", "{K: 3}", "--out", tmp_path / "o", *TINY)
+    assert result.returncode == 2 and "'{K: 3}' is not JSON" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_no_eval_does_not_check_the_evaluation_window(checkpoint, tmp_path):
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    args = ["prune", checkpoint, "--method", "magnitude", "--nsamples", "4", "--seqlen", "24", "--device", "cpu",
+            "--out", tmp_path / "o"]
+    refused(spap(*args), "eval_seqlen=2048")  # the default window of the paper's protocol does not fit
+    assert spap(*args, "--no-eval").returncode == 0
+
+
+def test_debug_keeps_the_traceback_and_real_bugs_keep_theirs(checkpoint, tmp_path, monkeypatch):
+    with pytest.raises(SpapError):
+        main(["--debug", "prune", str(checkpoint), "--round-to", "1000", "--out", str(tmp_path / "o"), *TINY])
+    monkeypatch.setattr(sl, "check_run", lambda *a, **k: {}["bug"])
+    with pytest.raises(KeyError):  # not a user error: not turned into a one-liner
+        main(["prune", str(checkpoint), "--out", str(tmp_path / "o"), *TINY])
