@@ -110,8 +110,10 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if resume_dir is not None:
         resume.check_folder(resume_dir)  # a file, a foreign folder or state.json: before reading the model
     source = resolve(model)  # the config and, for a local folder, the weight files' headers
+    out_state = None
     if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
-        io.check_out_dir(out_dir, overwrite=overwrite, protect=_protected(source, **{"the run folder": run_dir}))
+        out_state = io.check_out_dir(out_dir, overwrite=overwrite,
+                                     protect=_protected(source, **{"the run folder": run_dir}))
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
@@ -167,9 +169,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                 _check_space(out_dir, p.checkpoint_gb)
     if offload != "auto":
         check.offload = offload
-    if out_dir is not None:
-        check.out_state = io.check_out_dir(out_dir, overwrite=overwrite,
-                                           protect=_protected(source, **{"the run folder": run_dir}))
+    check.out_state = out_state
     return check
 
 
