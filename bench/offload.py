@@ -1,4 +1,4 @@
-"""02_prune's flow under offload none / cpu / disk, one process per mode (issue: scale).
+"""02_prune's flow under offload none / cpu / disk, one process per mode.
 
 Each mode runs in a fresh process (so its peak resident set is its own): plan, load, dense
 perplexity, prune, pruned perplexity, save with the reload check. Recorded per mode: the plan's

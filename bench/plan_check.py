@@ -1,4 +1,4 @@
-"""The plan's predictions against a measured prune on this machine (issue: scale).
+"""The plan's predictions against a measured prune on this machine.
 
 Prunes a real model with SPAP on the grid's calibration protocol and compares the measured working
 memory (peak resident set during the prune minus the resident set before it: activations, the

@@ -1,8 +1,8 @@
-"""The plan's predictions for the paper's models and the 70B-class aliases (issue: scale).
+"""The plan's predictions for the paper's models and the 70B-class aliases.
 
 Predicted, not measured: the offload the plan picks (offload="auto": the fastest that fits the card
 and a 64 GB host), its peak device and host memory, the disk a disk offload writes, and compute-only
-time from throughput.json (the H100 row measured on a lent H100; the RTX 4090 row a spec-sheet
+time from throughput.json (the H100 row measured on an H100; the RTX 4090 row a spec-sheet
 assumption) at the paper's 128 x 2048 calibration tokens, SPAP defaults, whole-test-split
 perplexity, bf16 weights; precision "auto" (tf32 on CUDA) and float64.
 
@@ -41,7 +41,7 @@ def main() -> None:
         f"Command: `python bench/plan_table.py`  \nRevision: `{git_revision()}`  \n"
         "SPAP defaults (precision auto = tf32 on CUDA, and float64), 128 x 2048 calibration tokens, perplexity "
         f"on the whole WikiText-2 test split at 2048, bf16 weights, a {HOST_GB} GB host; offload auto (the "
-        "fastest of none, cpu, disk that fits). Rates: spap_lib/throughput.json (h100 measured on a lent H100, "
+        "fastest of none, cpu, disk that fits). Rates: spap_lib/throughput.json (h100 measured on an H100, "
         "rtx4090 a spec-sheet assumption). Compute only: on the H100, measured LLaMA-3.1-8B layers took 1.2x "
         "(float64) and 2.8x (tf32) the plan's time (bench/results/offload_gpu_h100.md).\n\n"
         + frame.to_markdown(index=False) + "\n"))

@@ -1,4 +1,4 @@
-"""float32 vs float64 Gram sums and solves: same kept channels? same perplexity? (issue: scale)
+"""float32 vs float64 Gram sums and solves: same kept channels? same perplexity?
 
 For each model, SPAP (or another solving method) prunes a fresh copy of the dense model with each
 ``precision`` on the grid's protocol (32 x 512 validation calibration windows, seed 0; perplexity on

@@ -1,4 +1,4 @@
-"""Where SPAP's time goes on one decoder layer, next to FASP on the same layer (issue: scale).
+"""Where SPAP's time goes on one decoder layer, next to FASP on the same layer.
 
 Captures the dense MLP inputs of one layer of a real model (calibration windows as in the grid),
 then prunes that layer with FASP and with SPAP, timing each stage by wrapping the functions that

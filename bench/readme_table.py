@@ -2,7 +2,8 @@
 
     python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end, the
                                                                       #   SPAP sweep: results, Table 5: table5,
-                                                                      #   beside the paper: paper)
+                                                                      #   beside the paper: paper, the 128 x 512
+                                                                      #   grid: budget128)
     python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
     python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
     python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.figures import UPDATES
+from spap_lib.figures import UPDATES, load_rows
 from spap_lib.io import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ PAPER_CSV = REPO / "results" / "paper_tables.csv"
 def render_sweep(csv: str) -> str:
     """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
-    df = pd.read_csv(csv, keep_default_na=False)
+    df = load_rows(csv)
     df = df[df["label"].isin(["dense", *("spap" + u for u in UPDATES)])]
     df = df.assign(calib=[f"{n}×{s}" for n, s in zip(df["nsamples"], df["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
@@ -101,6 +102,32 @@ def render_paper(csv: str) -> str:
     return table.to_markdown(index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
+def render_budget128(csv: str) -> str:
+    """The 128 × 512 grid on its own: every method at today's defaults (the label is the method), per model,
+    on the first 40 test windows of 512; the best pruned cell of each model and sparsity in bold."""
+    from spap_lib.figures import headline
+
+    wide = headline(csv, eval_seqlen=512).reset_index()
+    wide = wide[(wide["calib"] == "128×512") & (wide["eval_windows"] == 40)]
+    wide = wide[[label == "dense" or "/" not in label for label in wide["label"]]].drop(
+        columns=["calib", "eval_seqlen", "eval_windows"])
+    sparsities = [c for c in wide.columns if not isinstance(c, str) and c > 0]
+    out = wide.rename(columns={"label": "method"}).astype(object)
+    for model, rows in wide.groupby("model"):
+        for c in sparsities:
+            pruned = rows[rows["label"] != "dense"][c].dropna()
+            for i in rows.index:
+                v = rows.at[i, c]
+                out.at[i, c] = "" if pd.isna(v) else f"**{v:.2f}**" if len(pruned) and v == pruned.min() \
+                    and rows.at[i, "label"] != "dense" else f"{v:.2f}"
+    dense = wide[wide["label"] == "dense"].set_index("model")[0]
+    out = out[out["method"] != "dense"].drop(columns=[0])
+    out.insert(2, "dense", [f"{dense[m]:.2f}" if m in dense else "" for m in out["model"]])
+    out = out[[c for c in out.columns if isinstance(c, str) or (out[c] != "").any()]]  # sparsities measured here
+    out.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in out.columns]
+    return out.to_markdown(index=False) if len(out) else "(no 128 × 512 rows in results/ablation.csv)"
+
+
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
              "profile_slicegpt": render_profile}
 
@@ -110,7 +137,8 @@ def render_blocks(csv: str) -> dict[str, str]:
     kind = max((k for k in RENDERERS if Path(csv).stem.startswith(k)), key=len, default=None)  # the longest match
     if kind is None:
         raise SystemExit(f"{csv}: no table is rendered from it (known: {', '.join(RENDERERS)})")
-    more = {"results": render_sweep, "table5": render_table5, "paper": render_paper} if kind == "ablation" else {}
+    more = {"results": render_sweep, "table5": render_table5, "paper": render_paper,
+            "budget128": render_budget128} if kind == "ablation" else {}
     return {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
 
 

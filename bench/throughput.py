@@ -1,4 +1,4 @@
-"""Calibrate the plan's throughput model on this machine (issue: scale).
+"""Calibrate the plan's throughput model on this machine.
 
 Times the kernels spap's stages are made of, at the sizes of a small model's layer, and writes
 their rates into ``spap_lib/throughput.json`` under ``--name`` (the committed entry is this 2-core

@@ -47,6 +47,11 @@ def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, to
     return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
 
 
+def scalar_point(point: str) -> dict:
+    """``"am_iters=20,adam_steps=5"`` as ``{"am_iters": 20, "adam_steps": 5}``."""
+    return {k: scalar(v) for k, v in (kv.split("=") for kv in point.split(","))}
+
+
 def layer_bench_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments every per-layer bench shares (this one and ``bench/layers.py``)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,9 +85,11 @@ def main(argv=None) -> None:
     X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
     base = {k: type(v)(v) for k, v in sl.get_method("spap").hparams().items()}
+    overrides = {}
     for kv in filter(None, args.base.split(",")):
         k, v = kv.split("=")
-        base[k] = scalar(v)  # e.g. lr=1e-4 or lr_scale=absolute; the method checks types and ranges
+        overrides[k] = scalar(v)  # e.g. lr=1e-4 or lr_scale=absolute; the method checks types and ranges
+    base.update(overrides)
 
     update_grid = UPDATE_GRID
     if args.grid:
@@ -96,11 +103,7 @@ def main(argv=None) -> None:
     if args.points:
         grids = []
         for point in args.points.split(";"):
-            hp = dict(base)
-            for kv in point.split(","):
-                k, v = kv.split("=")
-                hp[k] = scalar(v)
-            hp["point"] = point
+            hp = {**base, **scalar_point(point), "point": point}
             grids.append((hp, "points", "point"))
     elif args.which == "methods":
         grids = [({**base, "method": m}, "methods", "method") for m in args.methods.split(",")]
@@ -108,7 +111,11 @@ def main(argv=None) -> None:
     for hp, stage, varied in grids:
         name = hp.get("method", "spap")
         known = sl.get_method(name).hparams()
-        method = sl.get_method(name, **{k: v for k, v in hp.items() if k in known})
+        # only what --base, the stage or the point sets: another method keeps its own defaults where they
+        # differ from SPAP's (spap_gd: sketch_resample=False)
+        point = scalar_point(hp["point"]) if stage == "points" else {}
+        chosen = {k: v for k, v in hp.items() if k in overrides or k == varied or k in point or base.get(k) != v}
+        method = sl.get_method(name, **{k: v for k, v in chosen.items() if k in known})
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             t0 = time.perf_counter()
@@ -119,6 +126,7 @@ def main(argv=None) -> None:
             rows.append({"stage": stage, "varied": varied, "value": hp[varied], "layer": i, "heldout_rel_error": err,
                          "fit_rel_error": res.info.get("rel_error_final"), "seconds": secs, **hp})
             print(stage, varied, hp[varied], i, f"{err:.5f}", f"{secs:.1f}s", flush=True)
+        write_csv_atomic(args.out, pd.DataFrame(rows))  # every finished point kept, should a later one fail
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
     summary = frame.groupby(["stage", "varied", "value"], sort=False)[["heldout_rel_error", "seconds"]].mean()

@@ -88,7 +88,6 @@ def parser() -> argparse.ArgumentParser:
 
 def _prune(a) -> dict:
     import spap_lib as sl
-    from spap_lib.api import dense_perplexity, get_calibration, prune_result
 
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
@@ -97,10 +96,10 @@ def _prune(a) -> dict:
                        overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
     print(job.summary(), flush=True)
     loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=out.parent)
-    calib = get_calibration(loaded, a.model, a.nsamples, a.seqlen, a.seed)
+    calib = sl.get_calibration(loaded, a.model, a.nsamples, a.seqlen, a.seed)
     ppl = {}
     if not a.no_eval:
-        ppl["dense"] = dense_perplexity(loaded, a.model, a.eval_seqlen, a.eval_windows)
+        ppl["dense"] = sl.dense_perplexity(loaded, a.model, a.eval_seqlen, a.eval_windows)
     report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to,
                       resume_dir=a.resume_dir)
     if not a.no_eval:
@@ -110,7 +109,7 @@ def _prune(a) -> dict:
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
     sl.save(loaded, report, out, overwrite=a.overwrite)
     loaded.onloader.close()
-    return prune_result(a.model, a.method, a.sparsity, out, report)  # what 02 writes as prune_result.json
+    return sl.prune_result(a.model, a.method, a.sparsity, out, report)  # what 02 writes as prune_result.json
 
 
 def _plan(a) -> str:

@@ -7,6 +7,7 @@ says so in ``source``: every result records where its calibration text came from
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -45,8 +46,8 @@ def read_raw(path: Path) -> list[str]:
 class Text:
     text: str
     split: str
-    # "local:wikitext-2-raw-v1/wiki.valid.raw" (relative to the data directory: results name the file, not
-    # a machine's path) or "hub:wikitext/wikitext-2-raw-v1"
+    # "local:wikitext-2-raw-v1/wiki.valid.raw sha256:<16 hex>" (relative to the data directory: results name
+    # the file and its content, not a machine's path) or "hub:wikitext/wikitext-2-raw-v1 fingerprint:<hex>"
     source: str
 
 
@@ -54,12 +55,13 @@ def wikitext(split: str) -> Text:
     """One split as ``"\\n\\n".join(rows)`` (the standard LLM-pruning protocol)."""
     local = data_dir() / WIKITEXT / SPLIT_FILES[split]
     if local.is_file():
-        return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]}")
+        digest = hashlib.sha256(local.read_bytes()).hexdigest()[:16]
+        return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
     if hub_reachable():
         from datasets import load_dataset
 
-        rows = load_dataset("wikitext", WIKITEXT, split=split)["text"]
-        return Text("\n\n".join(rows), split, f"hub:wikitext/{WIKITEXT}")
+        rows = load_dataset("wikitext", WIKITEXT, split=split)
+        return Text("\n\n".join(rows["text"]), split, f"hub:wikitext/{WIKITEXT} fingerprint:{rows._fingerprint}")
     raise FileNotFoundError(
         f"WikiText-2 {split} split not found: looked for {local} and the hub is unreachable. "
         f"Set SPAP_DATA_DIR to a directory holding {WIKITEXT}/{SPLIT_FILES[split]} "

@@ -43,7 +43,7 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    table = load_rows(results_csv)
     if eval_seqlen is None:
         eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
     table = table[table["eval_seqlen"] == eval_seqlen]
@@ -102,6 +102,41 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     return fig
 
 
+def load_rows(results_csv: str | Path) -> pd.DataFrame:
+    """The grid's rows as every figure and table reads them: protocol columns (``_protocol``) and exact labels
+    (``exact_labels``)."""
+    return exact_labels(_protocol(pd.read_csv(results_csv, keep_default_na=False)))
+
+
+def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
+    """A row's label names the settings it ran with, against today's defaults. A row made before a default
+    changed (its recorded hyperparameters differ from today's where they act, ``grid.effective``) is
+    relabelled with the values it ran, e.g. ``spap/lr=0.005`` (``option=unset``: made before the option
+    existed), and one whose overrides are today's defaults takes the bare method name. So no table shows an
+    old default's row under the current default's name, and the current default's rows under one name."""
+    import json
+
+    from .grid import effective
+    from .methods import get_method
+
+    if "resolved_hparams" not in table or not len(table):
+        return table
+
+    def label(row) -> str:
+        if row["method"] == "dense" or not row["resolved_hparams"]:
+            return row["label"]
+        ran, hparams = json.loads(row["resolved_hparams"]), json.loads(row["hparams"] or "{}")
+        acting = effective(row["method"], hparams)
+        defaults = get_method(row["method"]).hparams()
+        stale = any(ran.get(k, "unset") != v for k, v in acting.items())
+        if not stale and all(defaults.get(k) != v for k, v in hparams.items()):
+            return row["label"]  # as the grid named it
+        differ = {k: ran.get(k, "unset") for k in acting if ran.get(k, "unset") != defaults.get(k)}
+        text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(differ.items()))
+        return row["method"] + (f"/{text}" if text else "")
+    return table.assign(label=[label(row) for _, row in table.iterrows()])
+
+
 def _protocol(table: pd.DataFrame) -> pd.DataFrame:
     """``eval_windows`` as an int (-1: the whole test split; 40 where a table lacks the column) and
     ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it): cells that differ
@@ -115,7 +150,7 @@ def _protocol(table: pd.DataFrame) -> pd.DataFrame:
 def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.DataFrame:
     """Perplexity per (model, calibration size, evaluation protocol, method) × sparsity, methods in the
     paper's order; the protocol is the window length and the number of test windows (-1: the whole split)."""
-    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    table = load_rows(results_csv)
     if eval_seqlen is not None:
         table = table[table["eval_seqlen"] == eval_seqlen]
     wide = table.pivot_table(index=["model", "calib", "eval_seqlen", "eval_windows", "label"], columns="sparsity",
@@ -124,12 +159,13 @@ def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.Data
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)
 
 
-# The paper's Table 5 rows, FASP as the one-shot reference; then the same rows with the paper's update (every
-# token in every round, full precision) and with the absolute Adam rate (``lr_scale``): rows keep the exact
-# label of the settings they ran with.
+# The paper's Table 5 rows, FASP as the one-shot reference; then the same rows with the Adam step of the
+# earlier default (lr 5e-3), with the paper's update (every token in every round, full precision) at that
+# step, and with the absolute Adam rate (``lr_scale``): rows keep the exact label of the settings they ran
+# with (``exact_labels``).
 ABSOLUTE_LR = "/lr=0.001,lr_scale=absolute"
 PAPER_UPDATE = "sketch_tokens=0,update_precision=full"
-UPDATES = ("", "/" + PAPER_UPDATE, ABSOLUTE_LR + "," + PAPER_UPDATE)
+UPDATES = ("", "/lr=0.005", "/lr=0.005," + PAPER_UPDATE, ABSOLUTE_LR + "," + PAPER_UPDATE)
 TABLE5 = ("fasp", "spap_no_update", *(m + u for u in UPDATES for m in ("spap_gd", "spap")))
 
 
@@ -137,7 +173,7 @@ def table5(results_csv: str | Path) -> pd.DataFrame:
     """The paper's Table 5 from the grid's rows: per model, protocol (calibration size, evaluation) and
     sparsity where an ablation ran, perplexity of FASP and of SPAP with each part removed, and each one's
     increase over dense (%). A cell not measured is empty; a protocol without a dense row, no percentages."""
-    table = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    table = load_rows(results_csv)
     key = ["model", "calib", "eval_seqlen", "eval_windows"]
     dense = table[table["label"] == "dense"].groupby(["model", "eval_seqlen", "eval_windows"])["ppl"].first()
     cells = table[table["label"].isin(TABLE5)]
@@ -192,7 +228,7 @@ def beside_paper(results_csv: str | Path, paper_csv: str | Path, calib: str, eva
     """Our perplexity at one calibration size beside the paper's on its closest model, per method (each at
     its default settings, the label equal to the method) and sparsity, each with its increase over its
     own dense model: ``ours`` and ``paper`` columns per sparsity. Methods the paper did not run are blank."""
-    ours = _protocol(pd.read_csv(results_csv, keep_default_na=False))
+    ours = load_rows(results_csv)
     ours = ours[(ours["eval_windows"] == eval_windows) & ours["model"].isin(PAPER_TWINS)
                 & ((ours["calib"] == calib) | (ours["label"] == "dense")) & (ours["label"] == ours["method"])]
     paper = pd.read_csv(paper_csv)

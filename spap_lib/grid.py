@@ -198,19 +198,38 @@ def resolved(method: str, hparams: dict) -> str:
     return "{}" if method == "dense" else json.dumps(get_method(method, **hparams).hparams(), sort_keys=True)
 
 
-def _done(table: pd.DataFrame, row: dict, current: str) -> bool:
-    """A row with ``row``'s key exists and ran with the ``current`` resolved hyperparameters. A row whose
-    recorded ones differ (a default changed since) is stale: the cell runs again and replaces it. Rows
-    written before the column existed record nothing and count as done."""
+def effective(method: str, hparams: dict) -> dict:
+    """The hyperparameters that decide the cell's result (``Method.effective_hparams``)."""
+    return {} if method == "dense" else get_method(method, **hparams).effective_hparams()
+
+
+def _current(recorded: str, effective: dict) -> bool:
+    """A row ran with ``effective``: each of them recorded with the same value (keys the row records
+    beyond them are inert now). Rows written before the column existed record nothing and count."""
+    if not recorded:
+        return True
+    ran = json.loads(recorded)
+    return all(k in ran and ran[k] == v for k, v in effective.items())
+
+
+def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
+    """A row of ``row``'s cell and protocol ran with the ``current`` effective hyperparameters: the row of
+    ``row``'s key, or another label's row of the same method that recorded the same settings (``spap/lr=0.01``
+    once 1e-2 is the default). A row whose recorded settings differ (a default changed since) is stale: the
+    cell runs again and replaces it."""
     if table.empty:
         return False
-    match = pd.Series(True, index=table.index)
+    cell = pd.Series(True, index=table.index)
     for k in KEY:
-        match &= table[k].astype(str) == str(row[k])
-    if "resolved_hparams" in table:
-        recorded = table["resolved_hparams"].fillna("").astype(str)
-        match &= recorded.isin(["", current])
-    return bool(match.any())
+        if k not in ("label", "hparams"):
+            cell &= table[k].astype(str) == str(row[k])
+    same_key = cell & (table["label"].astype(str) == row["label"]) & (table["hparams"].astype(str) == row["hparams"])
+    if "resolved_hparams" not in table:
+        return bool(same_key.any())
+    recorded = table["resolved_hparams"].fillna("").astype(str)
+    ran_these = recorded.map(lambda r: _current(r, current))
+    same_settings = cell & (table["method"].astype(str) == method) & (recorded != "") & ran_these
+    return bool((same_key & ran_these).any() or same_settings.any())
 
 
 def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
@@ -235,9 +254,9 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
     def _todo(label, method, hparams, sparsity) -> list[tuple[int, int | None]]:
         protocols = [(s, eval_windows) for s in eval_seqlens]
         protocols += [(e.seqlen, e.windows) for e in extra_evals if e.applies(label, sparsity)]
-        current = resolved(method, hparams)
+        current = effective(method, hparams)
         return [p for p in dict.fromkeys(protocols)
-                if not (resume and _done(table, probe(label, hparams, sparsity, *p), current))]
+                if not (resume and _done(table, probe(label, hparams, sparsity, *p), method, current))]
 
     todo = _todo("dense", "dense", {}, 0.0)
     if todo:

@@ -368,6 +368,11 @@ class Loaded:
     def offload(self) -> str:
         return self.onloader.mode
 
+    def param_counts(self) -> dict:
+        """Exact parameter counts: decoder layers only, the MLPs, and the whole model (tied weights once)."""
+        return {"decoder": self.adapter.decoder_params(), "total": sum(p.numel() for p in self.model.parameters()),
+                "mlp": self.adapter.mlp_params()}
+
     def copy(self, device: torch.device | str | None = None) -> Loaded:
         """A deep copy of the model (tokenizer and source shared) on ``device`` (default: this one's):
         prune many variants from one load."""

@@ -14,10 +14,10 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
 * calibration activations while a layer is pruned: layer inputs and dense outputs (on the device only
   with ``offload="none"``; ``cpu``: in host memory, ``2·N·d·b``; ``disk``: in spill files), MLP inputs
   ``X`` and (fitting methods) dense targets ``Y``: ``2·N·d·b``; plus one batch through the layer;
-* the layer's solver working set (fitting methods): the Gram matrix, its damped copy and Cholesky
-  factor ``3·(n+1)²·p``, the float32 product of one chunk ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``,
-  float32 copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk
-  ``chunk·(n+2d)·4``;
+* the layer's working set, which each method declares (``Method.working_set``). Fitting methods: the
+  Gram matrix, its damped copy and Cholesky factor ``3·(n+1)²·p``, the float32 product of one chunk
+  ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``, float32 copies of the dense and pruned MLP with Adam
+  state ``≈ 9·d·n·4``, one Gram chunk ``chunk·(n+2d)·4``;
 * evaluation: the logits of one window, ``eval_seqlen·V·b``, and the loss of 256 positions at a time
   in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device).
 
@@ -27,8 +27,8 @@ plus the hidden states between layers (calibration or evaluation, whichever is l
 files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host are one memory, so
 ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
-Time: floating-point operations of each stage divided by a throughput table
-(``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
+Time: floating-point operations of each stage (a method's own stages from ``Method.cost``) divided by a
+throughput table (``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
 spec-sheet assumptions until measured). A model of compute only: transfers and Python overhead are
 not in it, so it is a lower bound where those dominate (tiny models).
 """
@@ -45,6 +45,8 @@ from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
 from .evaluate import LOSS_CHUNK
 from .linalg import resolve_precision
+from .methods import DEFAULT_METHOD
+from .methods.base import Shapes
 from .onload import check_offload
 
 HERE = Path(__file__).resolve().parent
@@ -154,7 +156,7 @@ def available_host_gb() -> float | None:
         return None
 
 
-def plan(model: str, *, method: str = "spap", hparams: dict | None = None, sparsity: float = 0.2,
+def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = None, sparsity: float = 0.2,
          nsamples: int = 128, seqlen: int = 2048, eval_seqlen: int = 2048, eval_windows: int | None = None,
          device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
          disk_free_gb: float | None = None, offload: str = "auto", dtype: str = "auto", batch_size: int = 1,
@@ -221,6 +223,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
     fits_ls = algo.fits
+    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], chunk=chunk, p=p, b=b, vocab=V,
+                    tied=c["tied"])
     layer_bytes = c["decoder"] / L * b
     base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head
     eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
@@ -232,13 +236,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
               # (fitting methods) dense targets Y
               "calibration activations": ((2 if resident else 0) + (2 if fits_ls else 1)) * N * d * b,
               "one batch through a layer": batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
-    if fits_ls:
-        memory["Gram + factor (3 n²)"] = 3 * (n + 1) ** 2 * p + n * n * 4
-        memory["solver matrices, MLP copies"] = 3 * d * n * p + 9 * d * n * 4 + min(chunk, N) * (n + 2 * d) * 4
-    if algo.whole_model:  # SliceGPT: the head untied from tied embeddings, float64 PCA Gram and one chunk
-        if c["tied"]:
-            memory["untied head copy"] = V * d * b
-        memory["PCA Gram (float64)"] = 2 * d * d * 8 + min(chunk, N) * d * 8
+    memory.update(algo.working_set(shapes))  # the solver's (or a whole-model method's) own
     memory["evaluation logits"] = eval_seqlen * V * b + min(LOSS_CHUNK, eval_seqlen) * V * 8  # + chunked loss
     calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
     eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
@@ -270,39 +268,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     layer_params = c["decoder"] / L
     forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
     passes = 2 if algo.propagates else 1
-    hp = algo.hparams()
     seconds = {"calibration forward passes": L * passes * forward / mm}
-    if fits_ls:
-        io_ = c["in_proj"]
-        gram = 2 * io_ * N * d * n + 2 * N * n * n
-        targets = 2 * N * d * n if algo.uses_targets else 0  # Y = W Z from the same pass (``gram_and_outputs``)
-        seconds["dense Gram pass"] = L * (gram + targets) / mm32
-        K = hp.get("K", 0)
-        seconds["penalty / refit solves"] = L * (K + 1) * ((n + 1) ** 3 / 3 + 2 * (n + 1) ** 2 * d) / chol
-        rounds, steps, batch = hp.get("am_iters", 0), hp.get("adam_steps", 0), hp.get("batch_tokens", 0)
-        if rounds:
-            low = hp.get("update_precision") == "bf16"
-            mm_low = rates["matmul_bf16"] if low else mm32  # the rounds' products (``linalg.products``)
-            Nr = min(hp.get("sketch_tokens") or N, N)  # the rounds' token sample
-            refit = Nr < N or low  # the best round refitted on every token at the method's precision
-            adam = rounds * steps * min(batch, N) * 6 * (io_ + 1) * d * n_keep  # forward + backward
-            seconds["Adam steps"] = L * adam / mm_low
-            forward = 2 * (io_ + 1) * d * n_keep  # per token: the pruned MLP
-            if algo.update_round == "closed_form":  # Z and Y Zᵀ in the rounds' precision, Z Zᵀ in float32
-                per_round = (2 * io_ * Nr * d * n_keep + 2 * Nr * d * n_keep) / mm_low + 2 * Nr * n_keep**2 / mm32
-                if hp.get("sketch_resample") and Nr < N:  # the ranking forward pass on the first sample
-                    per_round += Nr * forward / mm_low
-                final = (2 * io_ * N * d * n_keep + 2 * N * d * n_keep + 2 * N * n_keep**2) / mm32 if refit else 0
-            else:  # spap_gd: a forward pass for the error
-                per_round, final = Nr * forward / mm_low, (N * forward / mm32 if refit else 0)
-            seconds["alternating rounds (Gram / error)"] = L * (rounds * per_round + final)
-            if algo.update_round == "closed_form":
-                seconds["alternating rounds (solves)"] = \
-                    L * (rounds + refit) * (n_keep**3 / 3 + 2 * n_keep**2 * d) / chol
-    elif algo.whole_model:  # SliceGPT: per block three float64 PCA Gram sums (d x d) and eigendecompositions
-        seconds["PCA (float64 Gram sums, eigh)"] = L * 3 * (2 * N * d * d + 9 * d**3) / chol
-    else:
-        seconds["channel statistics"] = L * 2 * c["in_proj"] * N * d * n / mm32
+    rate = {"fp32": mm32, "bf16": rates["matmul_bf16"], "solve": chol}
+    for stage, flops in algo.cost(shapes).items():
+        seconds[stage] = L * sum(f / rate[r] for r, f in flops.items())
     eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
     seconds["perplexity (dense + pruned)"] = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / mm
     if offload != "none" and gpu:

@@ -1,4 +1,4 @@
-"""Layer-level checkpoints of a sequential prune: a run that stops (a session's end, a preempted GPU)
+"""Layer-level checkpoints of a sequential prune: a run that stops (a time limit, a preempted GPU)
 resumes at the first layer it had not finished, with the same result.
 
 After every layer the folder receives that layer's pruned MLP tensors (``layer_NNN.safetensors``) and

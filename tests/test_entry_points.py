@@ -118,7 +118,7 @@ def test_round_to_that_removes_nothing_is_refused_and_sparsity_zero_keeps_the_mo
 
 
 def test_a_full_disk_is_found_before_the_prune_with_the_flag_to_change(checkpoint, tmp_path, monkeypatch, capsys):
-    import spap_lib.api as api
+    import spap_lib.validate as api
 
     real = shutil.disk_usage
     monkeypatch.setattr(api.shutil, "disk_usage", lambda p: real(p)._replace(free=1024))

@@ -95,6 +95,31 @@ def test_table5_lists_the_ablated_cells_with_their_increase_over_dense(tmp_path)
     assert t.loc[("128×512", 0.2), "spap_gd"] == "24.00 (+20.0%)"  # dense is the same model and test windows
 
 
+def test_tables_name_each_row_by_the_settings_it_ran_with(tmp_path):
+    """After a default changes, the rows made with the old one are shown under their old values, and a row
+    that ran today's default under an explicit label is shown as the bare method."""
+    import json
+
+    from spap_lib.figures import headline
+
+    lr = sl.get_method("spap").lr
+    old = lr / 2  # a row made when the default was this
+
+    def row(label, hparams, ran, ppl):
+        full = {**sl.get_method("spap").hparams(), **ran}
+        return {"model": "m", "label": label, "method": label.split("/")[0], "sparsity": 0.2, "eval_seqlen": 512,
+                "eval_windows": 40, "nsamples": 32, "seqlen": 512, "ppl": ppl, "hparams": json.dumps(hparams),
+                "resolved_hparams": json.dumps(full)}
+    csv = tmp_path / "r.csv"
+    pd.DataFrame([row("spap", {}, {"lr": old}, 30.0), row(f"spap/lr={lr}", {"lr": lr}, {}, 29.0),
+                  row("spap/K=5", {"K": 5}, {"K": 5, "lr": old}, 31.0), row("spap/K=7", {"K": 7}, {"K": 7}, 32.0),
+                  {**row("dense", {}, {}, 20.0), "method": "dense", "resolved_hparams": "{}", "sparsity": 0.0},
+                  ]).to_csv(csv, index=False)
+    table = headline(csv)
+    assert set(table.reset_index()["label"]) == {"dense", f"spap/lr={old}", "spap", f"spap/K=5,lr={old}", "spap/K=7"}
+    assert table.loc[("m", "32×512", 512, 40, "spap"), 0.2] == 29.0  # today's default, whatever its label said
+
+
 def test_table3_keeps_each_number_of_examples_apart_and_carries_the_stderr():
     """The same checkpoint scored on 100 examples per task and on the whole splits is two rows of Table 3,
     never their average; the mean's standard error is that of a mean of independent task estimates."""
@@ -193,6 +218,44 @@ def test_rows_record_every_hyperparameter_and_a_changed_default_reruns_the_cell(
     monkeypatch.setattr(METHODS["magnitude"], "hparams", lambda self: {"another_default": 2})
     run_grid(g, variants, [0.2], [16], 2, csv)
     assert pruned == ["magnitude"]
+
+
+def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
+    """A row records every hyperparameter it ran with. One added since (absent from the record) makes the
+    row stale where it changes the result, not where the row's own settings make it inert."""
+    import json
+
+    from spap_lib.grid import _current, effective
+
+    def recorded(method, hparams, drop):
+        return json.dumps({k: v for k, v in sl.get_method(method, **hparams).hparams().items() if k not in drop})
+
+    paper = {"sketch_tokens": 0, "update_precision": "full"}
+    assert _current(recorded("spap", paper, {"sketch_resample"}), effective("spap", paper))  # no sample to redraw
+    assert not _current(recorded("spap", {}, {"sketch_resample"}), effective("spap", {}))  # the default redraws
+    update = {"sketch_tokens", "update_precision", "sketch_resample"}
+    assert _current(recorded("spap_no_update", {}, update), effective("spap_no_update", {}))  # no update stage
+    assert not _current(recorded("spap_no_update", {"K": 5}, ()), effective("spap_no_update", {}))  # K acts
+    assert _current("", effective("spap", {})) and _current("{}", effective("dense", {}))
+
+
+def test_a_cell_run_under_another_label_with_the_same_settings_is_not_run_again():
+    import json
+
+    from spap_lib.grid import KEY, _done, effective
+
+    lr = sl.get_method("spap").lr
+    cell = {"model": "m", "sparsity": 0.2, "eval_seqlen": 512, "eval_windows": 40, "nsamples": 32, "seqlen": 512,
+            "seed": 0}
+    ran = {**cell, "label": f"spap/lr={lr}", "method": "spap", "hparams": json.dumps({"lr": lr}),
+           "resolved_hparams": json.dumps(sl.get_method("spap").hparams())}
+    table = pd.DataFrame([ran])
+    probe = lambda label, hp: {**cell, "label": label, "hparams": json.dumps(hp)}  # noqa: E731
+    assert set(KEY) <= set(probe("spap", {}))
+    assert _done(table, probe("spap", {}), "spap", effective("spap", {}))  # today's default: the same run
+    assert not _done(table, probe("spap/K=5", {"K": 5}), "spap", effective("spap", {"K": 5}))
+    assert not _done(table, probe("spap_gd", {}), "spap_gd", effective("spap_gd", {}))  # another method
+    assert not _done(table.assign(eval_windows=10), probe("spap", {}), "spap", effective("spap", {}))
 
 
 def test_every_run_keeps_its_manifest(tmp_path):

@@ -197,7 +197,7 @@ def test_auto_offload_is_the_fastest_that_fits(monkeypatch):
 
 
 def test_a_plan_that_does_not_fit_names_the_offload(checkpoint, monkeypatch):
-    from spap_lib import api
+    from spap_lib import validate as api
 
     monkeypatch.setattr(api, "local_device", lambda device: ("cpu-2core", 1e-6))
     with pytest.raises(ParameterError, match="does not fit with offload='none'.*Use offload='disk'"):

@@ -55,10 +55,10 @@ def test_exact_parameter_counts(loaded, arch):
     assert plan.params_per_channel == per_channel
     mlp = L * ((2 * n * d + n + d) if arch == "opt" else 3 * n * d)
     assert loaded.adapter.mlp_params() == mlp
-    before = sl.param_counts(loaded)
+    before = loaded.param_counts()
     for layer in loaded.adapter.layers():
         loaded.adapter.set_mlp(layer, loaded.adapter.get_mlp(layer).select(torch.arange(n - plan.n_remove)))
-    after = sl.param_counts(loaded)
+    after = loaded.param_counts()
     assert before["decoder"] - after["decoder"] == L * plan.n_remove * per_channel
     assert before["total"] - after["total"] == L * plan.n_remove * per_channel
     assert abs((1 - after["decoder"] / before["decoder"]) - 0.25) < per_channel * L / before["decoder"]
@@ -88,7 +88,7 @@ def test_no_hooks_left_behind(loaded, windows):
 
 
 def test_calibration_cache_round_trip(windows, tmp_path):
-    from spap_lib.api import load_calibration, save_calibration
+    from spap_lib.caches import load_calibration, save_calibration
 
     calib = _calib(windows)
     save_calibration(tmp_path / "calibration.pt", calib, "tiny")

@@ -54,7 +54,7 @@ def test_paper_headline_setting_on_one_24gb_card():
 def test_disk_offload_keeps_hidden_states_out_of_host_memory():
     """With offload=disk the hidden states between layers wait in spill files: the GPU machine's host
     peak does not grow with the calibration size (cpu offload's does, by 2·N·d·b), the disk need does.
-    Qwen2.5-1.5B at the paper's 128 x 2048: under half of its fp32 weights (the issue's target)."""
+    Qwen2.5-1.5B at the paper's 128 x 2048: under half of its fp32 weights."""
     small = plan("qwen2.5-1.5b", device="h100", nsamples=32, seqlen=2048, offload="disk", eval_windows=1)
     paper = plan("qwen2.5-1.5b", device="h100", nsamples=128, seqlen=2048, offload="disk", eval_windows=1)
     assert paper.peak_host_gb == pytest.approx(small.peak_host_gb, abs=0.01)
@@ -87,7 +87,7 @@ def test_a_run_that_does_not_fit_is_refused_before_loading(tmp_path, tiny_tokeni
     assert ok.memory_time.fits and "plan:" in ok.summary()
     counted = sum(p.numel() for p in model.parameters()) * 4 / GB
     assert ok.memory_time.memory_gb["weights"] == pytest.approx(counted, rel=1e-6)
-    from spap_lib import api
+    from spap_lib import validate as api
 
     monkeypatch.setattr(api, "local_device", lambda device: ("cpu-2core", 1e-6))
     with pytest.raises(ParameterError, match="does not fit with offload='disk': the plan needs .* fewer calibration"):
@@ -140,3 +140,52 @@ def test_the_papers_settings_on_a_cpu_name_the_measured_cpu_setting():
     small = sl.check_run("smollm2-135m", method="spap", sparsity=0.2, nsamples=8, seqlen=256, eval_seqlen=128,
                          eval_windows=4, device="cpu")
     assert "configs/offline.yaml" not in small.summary()
+
+
+def test_each_method_declares_its_own_cost_and_the_plan_names_none():
+    """``Method.cost`` and ``Method.working_set`` are the plan's only source of a method's stages: a new
+    method's declared costs reach the plan's time and memory, and plan.py names no registered method."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    from spap_lib.methods import METHODS, Method
+    from spap_lib.methods.base import Shapes
+    from spap_lib.plan import THROUGHPUT
+
+    tree = ast.parse((Path(sl.__file__).parent / "plan.py").read_text())
+    constants = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    assert not constants & set(METHODS), constants & set(METHODS)
+
+    seen = {}
+
+    @dataclasses.dataclass
+    class Costed(Method):
+        name = "costed_for_test"
+
+        def cost(self, s: Shapes):
+            seen["shapes"] = s
+            return {"declared stage": {"fp32": 1e12, "solve": 2e12}}
+
+        def working_set(self, s: Shapes):
+            return {"declared buffer": 3 * 2**30}
+
+    METHODS[Costed.name] = Costed
+    try:
+        p = plan("llama-3.1-8b", method=Costed.name, device="h100", nsamples=64, seqlen=2048, offload="none")
+    finally:
+        del METHODS[Costed.name]
+    rates = THROUGHPUT["h100"]["flops_per_second"]
+    layers = 32
+    # fp32 products run at the TF32 rate where the precision is tf32 (Method's default precision is float64)
+    assert p.seconds["declared stage"] == pytest.approx(
+        layers * (1e12 / rates["matmul_fp32"] + 2e12 / rates["cholesky_fp64"]))
+    assert p.memory_gb["declared buffer"] == pytest.approx(3.0)
+    s = seen["shapes"]
+    assert (s.N, s.d, s.n, s.in_proj, s.p) == (64 * 2048, 4096, 14336, 2, 8) and s.n_keep < s.n
+    # SPAP's own stages: K + 1 penalty solves, the rounds only with am_iters > 0
+    spap = sl.get_method("spap")
+    stages = spap.cost(s)
+    assert stages["penalty / refit solves"]["solve"] == pytest.approx((spap.K + 1) * ((s.n + 1) ** 3 / 3
+                                                                                       + 2 * (s.n + 1) ** 2 * s.d))
+    assert "Adam steps" in stages and "Adam steps" not in sl.get_method("spap_no_update").cost(s)

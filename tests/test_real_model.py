@@ -7,7 +7,7 @@ import spap_lib as sl
 from spap_lib.data import tokenize
 
 # Measured on exactly this protocol (16 x 256 calibration windows of the validation split, fast
-# hyperparameters below, 20% sparsity, first 16 test windows of 256 tokens), in two sessions on this
+# hyperparameters below, 20% sparsity, first 16 test windows of 256 tokens), in two separate runs on a
 # 2-core CPU: dense 39.52 -> 64.92. Pinned: the dense value to 0.1% (no randomness), the pruned one to
 # 2% (the Adam mini-batches are seeded; float32 sums in another order move it by far less than that).
 DENSE_PPL, PRUNED_PPL = 39.52, 64.92

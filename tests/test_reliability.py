@@ -18,9 +18,9 @@ import torch
 
 import spap_lib as sl
 from spap_lib import io
-from spap_lib.api import CheckpointError
 from spap_lib.checks import ParameterError
 from spap_lib.data import Calibration
+from spap_lib.errors import CheckpointError
 from spap_lib.linalg import NumericalError
 from spap_lib.models import Loaded, ModelSource
 

@@ -47,7 +47,7 @@ def test_rotation_without_slicing_keeps_the_logits(arch, windows):
     dims = rotate_and_slice(model, layout, windows, model.config.hidden_size)
     assert {d["in"] for d in dims} == {model.config.hidden_size}
     torch.testing.assert_close(_logits(model, windows[:2]), before, rtol=1e-4, atol=1e-4 * before.abs().max())
-    # and in the model's float32, to the 1e-4
+    # and in the model's float32, to 1e-4
     model32 = _model(arch).float()
     before32 = _logits(model32, windows[:2])
     rotate_and_slice(model32, fuse_norms(model32), windows.clone(), sliced_dim(32, 0.0, 8))
@@ -150,7 +150,7 @@ def test_slicegpt_through_the_harness_prunes_saves_and_reloads(arch, windows, ti
     out = sl.save(loaded, report, tmp_path / "sliced")
     again = sl.load(str(out), device="cpu")
     torch.testing.assert_close(_logits(again.model, windows[:2]), _logits(model, windows[:2]), rtol=0, atol=1e-5)
-    assert sl.param_counts(again) == report["params"]["pruned"]
+    assert again.param_counts() == report["params"]["pruned"]
     with pytest.raises(ParameterError, match="loads resident only"):
         sl.load(str(out), device="cpu", offload="disk")
 

@@ -8,7 +8,10 @@ import pkgutil
 
 from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, register
 
+DEFAULT_METHOD = "spap"  # the paper's method: what a prune uses unless told otherwise
+
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method", "register"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method",
+           "register"]

@@ -19,6 +19,30 @@ from ..checks import ParameterError, check_fields
 from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, resolve_precision
 
 
+@dataclass(frozen=True)
+class Shapes:
+    """What a method's cost depends on, per decoder layer (``Method.cost``, ``Method.working_set``): ``N``
+    calibration tokens, hidden size ``d``, MLP width ``n`` of which ``n_keep`` are kept, ``in_proj`` input
+    projections (gate and up: 2; fc1: 1), ``chunk`` tokens per Gram pass, ``p`` bytes per number of the
+    method's precision and ``b`` of the model's dtype, and the vocabulary ``vocab`` with ``tied`` embeddings."""
+
+    N: int
+    d: int
+    n: int
+    n_keep: int
+    in_proj: int
+    chunk: int
+    p: int
+    b: int
+    vocab: int
+    tied: bool
+
+
+def solve_flops(m: int, d: int) -> float:
+    """One Cholesky factorisation of an ``m × m`` Gram matrix and its solve for ``d`` right-hand sides."""
+    return m**3 / 3 + 2 * m**2 * d
+
+
 @dataclass
 class LayerProblem:
     """Everything a method may use to prune one MLP.
@@ -123,9 +147,6 @@ class Method:
     # Whether ``prune`` uses the dense targets ``Y`` per token (the update's Adam steps): the pipeline then
     # has ``LayerProblem`` compute them in the Gram pass.
     uses_targets: ClassVar[bool] = False
-    # What one round of the method's update costs, for the plan: "closed_form" (Gram pass + solve of the
-    # output projection, SPAP's alternating minimisation), "forward" (an error pass, gradient descent) or None.
-    update_round: ClassVar[str | None] = None
     # How the channel budget may be spread over layers: the ones a method offers, and its choice (a
     # hyperparameter field in methods that offer more than one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
@@ -180,6 +201,34 @@ class Method:
 
     def hparams(self) -> dict:
         return dataclasses.asdict(self)
+
+    def effective_hparams(self) -> dict:
+        """The hyperparameters that decide this instance's result: ``hparams()`` less those that its other
+        settings make inert. A grid row recorded before an inert option existed is still current."""
+        return self.hparams()
+
+    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
+        """Floating-point operations of one decoder layer's prune, by stage, each split by the rate that runs
+        it (``spap_lib.plan``'s throughput rows): ``"fp32"`` products (TF32 where the precision says so),
+        ``"bf16"`` products, ``"solve"`` (Cholesky at the method's precision). The calibration forward passes
+        and the evaluation are the plan's own. Here: a fitting method's dense Gram pass (with the targets
+        ``Y`` where it uses them) and one least-squares refit, or a score method's channel statistics."""
+        if not self.fits:
+            return {"channel statistics": {"fp32": 2 * s.in_proj * s.N * s.d * s.n}}
+        gram = 2 * s.in_proj * s.N * s.d * s.n + 2 * s.N * s.n * s.n
+        targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
+        return {"dense Gram pass": {"fp32": gram + targets}, "refit solve": {"solve": solve_flops(s.n + 1, s.d)}}
+
+    def working_set(self, s: Shapes) -> dict[str, float]:
+        """Bytes the method holds on the device while it prunes one layer, beyond the weights and the
+        calibration activations: for a fitting method the Gram matrix, its damped copy and Cholesky factor
+        ``3·(n+1)²·p`` and the float32 product of one chunk ``n²·4``; ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``, float32
+        copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk ``chunk·(n+2d)·4``."""
+        if not self.fits:
+            return {}
+        return {"Gram + factor (3 n²)": 3 * (s.n + 1) ** 2 * s.p + s.n * s.n * 4,
+                "solver matrices, MLP copies": 3 * s.d * s.n * s.p + 9 * s.d * s.n * 4
+                + min(s.chunk, s.N) * (s.n + 2 * s.d) * 4}
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..checks import hp
-from .base import Method, register
+from .base import Method, Shapes, register
 
 
 @register
@@ -21,6 +21,15 @@ class SliceGPT(Method):
     whole_model: ClassVar[bool] = True
     fits: ClassVar[bool] = False
     round_to: int = hp(8, ge=1)  # kept dimension rounded down to a multiple (official --round-interval)
+
+    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
+        # per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)
+        return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3)}}
+
+    def working_set(self, s: Shapes) -> dict[str, float]:
+        # the head untied from tied embeddings, the float64 PCA Gram and one chunk
+        return {**({"untied head copy": s.vocab * s.d * s.b} if s.tied else {}),
+                "PCA Gram (float64)": 2 * s.d * s.d * 8 + min(s.chunk, s.N) * s.d * 8}
 
     def prepare(self, adapter) -> None:
         from ..slicing import layout_of

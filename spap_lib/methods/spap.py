@@ -24,8 +24,9 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
   model (the paper gives absolute values for its models).
 * δ > 0 damping in every solve (the Gram matrix of 16k tokens is near-singular in some layers).
 * Adam's learning rate is scale-free too (``lr_scale="rms"``): each tensor steps ``lr × RMS`` of its
-  own starting weights. Adam moves every element by about ``lr`` per step whatever the gradient, so an
-  absolute rate tuned on one model is 10× too large on another: SmolLM2-135M's MLP weights have RMS
+  own starting weights (``lr`` = 1e-2, measured best at 128 × 512; 5e-3 at 32 × 512). Adam moves every
+  element by about ``lr`` per step whatever the gradient, so an absolute rate tuned on one model is 10×
+  too large on another: SmolLM2-135M's MLP weights have RMS
   ≈ 0.19, Qwen2.5-0.5B's 0.004–0.06, and there the absolute 1e-3 tuned on SmolLM2 made the update
   overfit (bench/results/layers_qwen_lr.md). ``lr_scale="absolute"`` is the plain Adam rate.
 * The update keeps the best round by calibration error, the penalty stage's refit included, so the
@@ -57,7 +58,7 @@ import torch
 from ..adapters import MLP
 from ..checks import ParameterError, hp
 from ..linalg import PRECISION_CHOICES, gram, lstsq_columns, mean_diag, products, ridge, sq_norm
-from .base import LayerProblem, Method, PruneResult, register
+from .base import LayerProblem, Method, PruneResult, Shapes, register, solve_flops
 
 
 def column_scores(W: torch.Tensor, znorm: torch.Tensor, t: float) -> torch.Tensor:
@@ -283,6 +284,11 @@ def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
     return torch.full((H.shape[0],), damp * mean_diag(H[:n, :n]), dtype=H.dtype, device=H.device)
 
 
+# what only the update stage reads
+UPDATE_HPARAMS = ("adam_steps", "lr", "lr_scale", "batch_tokens", "sketch_tokens", "update_precision",
+                  "sketch_resample")
+
+
 @register
 @dataclass
 class SPAP(Method):
@@ -291,7 +297,6 @@ class SPAP(Method):
     name = "spap"
     ours = True
     uses_targets = True  # the update's Adam steps fit the dense outputs token by token
-    update_round = "closed_form"
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
     # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
     t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, doubles the error)
@@ -305,7 +310,8 @@ class SPAP(Method):
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (1e-4 and 1e-2 were worse)
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
-    lr: float = hp(5e-3, gt=0)  # Adam step in units of each tensor's RMS (SmolLM2: ≈ the absolute 1e-3 measured best)
+    # Adam step in units of each tensor's RMS; best at 128 x 512 with resampled rounds (bench/results/tune_lr_*.md)
+    lr: float = hp(1e-2, gt=0)
     lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
     precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float32 on CPU, tf32 on CUDA)
@@ -325,6 +331,40 @@ class SPAP(Method):
 
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
         return column_scores(mlp.W_out.double(), stats.norm, self.t)
+
+    def effective_hparams(self) -> dict:
+        """Without update rounds (``am_iters=0``) the update's settings are inert; without a token sample
+        (``sketch_tokens=0``), resampling it is."""
+        inert = set(UPDATE_HPARAMS) if self.am_iters == 0 else {"sketch_resample"} if self.sketch_tokens == 0 else set()
+        return {k: v for k, v in self.hparams().items() if k not in inert}
+
+    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
+        """The dense Gram pass, K penalty solves and the refit, then (``am_iters`` > 0) the update: Adam's
+        forward and backward products, each round's pass over its token sample and its solve, and the final
+        refit on every token when the rounds were cheap (a sample or bf16)."""
+        stages = super().cost(s)
+        del stages["refit solve"]
+        stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d)}
+        if not self.am_iters:
+            return stages
+        low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
+        Nr = min(self.sketch_tokens or s.N, s.N)  # the rounds' token sample
+        refit = Nr < s.N or low == "bf16"  # the best round refitted on every token at ``precision``
+        mlp = 2 * (s.in_proj + 1) * s.d * s.n_keep  # per token: the pruned MLP's forward
+        stages["Adam steps"] = {low: self.am_iters * self.adam_steps * min(self.batch_tokens, s.N) * 3 * mlp}
+        stages.update(self.round_cost(s, Nr, low, refit, mlp))
+        return stages
+
+    def round_cost(self, s: Shapes, Nr: int, low: str, refit: bool, mlp: float) -> dict[str, dict[str, float]]:
+        """The closed form of every round: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and
+        (resampled) the ranking forward pass on the first sample; one solve per round and per refit."""
+        z_yz = 2 * s.in_proj * s.d * s.n_keep + 2 * s.d * s.n_keep  # per token
+        zz = 2 * s.n_keep**2
+        rank = mlp if self.sketch_resample and Nr < s.N else 0
+        rounds = {low: self.am_iters * Nr * (z_yz + rank)}
+        rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * Nr * zz + (s.N * (z_yz + zz) if refit else 0)
+        return {"alternating rounds (Gram / error)": rounds,
+                "alternating rounds (solves)": {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d)}}
 
     def penalty_stage(self, problem: LayerProblem) -> tuple[MLP, torch.Tensor, dict]:
         """Alg. 1 on the dense MLP: the kept channels and the refitted output projection."""
@@ -408,7 +448,6 @@ class SPAPGD(SPAP):
 
     name = "spap_gd"
     ablation_of = "spap"
-    update_round = "forward"
     sketch_resample: bool = False  # no closed form to draw samples for: its rounds are Adam steps on every token
 
     def validate(self) -> None:
@@ -416,6 +455,13 @@ class SPAPGD(SPAP):
         if self.sketch_resample:
             raise ParameterError("spap_gd has no closed-form step to resample for: sketch_resample must be False "
                                  "(its Adam steps draw from every token already)")
+
+    def round_cost(self, s: Shapes, Nr: int, low: str, refit: bool, mlp: float) -> dict[str, dict[str, float]]:
+        """Every round: a forward pass for the error on the rounds' sample (and on every token, once, when
+        the rounds were cheap)."""
+        rounds = {low: self.am_iters * Nr * mlp}
+        rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
+        return {"alternating rounds (Gram / error)": rounds}
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         mlp, keep, info = self.penalty_stage(problem)

@@ -1,0 +1,189 @@
+"""``check_run``: every parameter of a run checked before any weight is read.
+
+It reads the model's config (GGUF: its metadata) and the weight files' headers only, builds the model on
+the meta device for the sparsity plan and the method's architecture checks, and asks ``spap_lib.plan``
+whether the run fits this device, the host's memory and the disk. Each refusal names the fix in the
+caller's language (``errors.option``).
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import io, resume
+from .adapters import get_adapter
+from .checkpoint import protected
+from .checks import Spec, check_sparsity, check_values, fits_context
+from .errors import OutputError, ParameterError, current_surface, option
+from .methods import Method, get_method
+from .models import ModelSource, context_length, pick_device, read_config, resolve
+from .onload import SafetensorsStore, check_offload, remove_dead_spills
+from .pipeline import SparsityPlan, plan_sparsity
+from .plan import Plan, available_host_gb, local_device, plan, size
+
+
+@dataclass
+class RunCheck:
+    """What ``check_run`` established before any weight was read."""
+
+    source: ModelSource
+    config: object
+    context: int | None
+    method: Method | None = None
+    plan: SparsityPlan | None = None
+    out_state: str | None = None  # "new", "empty" or "checkpoint" (replaced: overwrite=True)
+    memory_time: Plan | None = None  # the plan's peak memory and time (``spap_lib.plan``)
+    offload: str = "none"  # resolved: "auto" becomes the fastest mode the plan says fits
+
+    def summary(self) -> str:
+        lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
+                 f"context {self.context or 'unknown'} tokens"]
+        if self.method is not None:
+            lines.append(f"method {self.method.name}: {self.method.hparams()}")
+        if self.plan is not None:
+            p = self.plan
+            lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer ({p.mlp_ratio:.1%} of channels; "
+                         f"MLP = {p.mlp_share:.1%} of decoder params)")
+        if self.out_state is not None:
+            replaced = " (will be replaced)" if self.out_state == "checkpoint" else ""
+            lines.append(f"out_dir: {self.out_state}{replaced}")
+        if self.memory_time is not None:
+            lines.append(self.memory_time.table())
+            hours = self.memory_time.total_seconds / 3600
+            if self.memory_time.device.startswith("cpu") and hours > 0.5:
+                lines.append(f"On this CPU the plan estimates {hours:.1f} h (the paper's settings are for a GPU). "
+                             "The setting measured on a 2-core CPU (128 x 512 calibration, 40 test windows of 512; "
+                             "about 12 min for SmolLM2-135M): papermill -f configs/offline.yaml, or spap prune "
+                             "--nsamples 128 --seqlen 512 --eval-seqlen 512 --eval-windows 40.")
+        return "\n".join(lines)
+
+
+def check_run(model: str, *, method: str | None = None, sparsity: float | None = None, hparams: dict | None = None,
+              nsamples: int | None = None, seqlen: int | None = None, eval_seqlen: int | None = None,
+              eval_windows: int | None = None, seed: int = 0, round_to: int | None = None,
+              propagate: bool | None = None, device: str = "auto", out_dir: str | Path | None = None,
+              run_dir: str | Path | None = None, overwrite: bool = False, offload: str = "auto",
+              spill_dir: str | Path | None = None, resume_dir: str | Path | None = None) -> RunCheck:
+    """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
+
+    Reads only the model's config (GGUF: its metadata): the architecture, the context length that
+    ``seqlen``/``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and
+    the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
+    spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.onload``)
+    ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this device, the host's
+    available memory and the free space under ``spill_dir`` (disk); without a plan (no method or
+    calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a
+    ``resume_dir`` must be new, empty, or hold this run's finished layers. Spill folders that dead runs
+    left under ``spill_dir`` are removed.
+    """
+    check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
+                 ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
+                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
+                 ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
+                 ("round_to", round_to, Spec(int, ge=1, optional=True)),
+                 ("seed", seed, Spec(int, ge=0)),
+                 ("propagate", propagate, Spec(bool, optional=True)),
+                 ("overwrite", overwrite, Spec(bool)),
+                 ("hparams", hparams, Spec(dict, optional=True)))
+    check_offload(offload)
+    algo = get_method(method, **(hparams or {})) if method is not None else None
+    pick_device(device)
+    spill_root = _existing(Path(spill_dir) if spill_dir else Path(tempfile.gettempdir()))
+    remove_dead_spills(spill_root)
+    if resume_dir is not None:
+        resume.check_folder(resume_dir)  # a file, a foreign folder or state.json: before reading the model
+    source = resolve(model)  # the config and, for a local folder, the weight files' headers
+    out_state = None
+    if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
+        out_state = io.check_out_dir(out_dir, overwrite=overwrite,
+                                     protect=protected(source, **{"the run folder": run_dir}))
+    if offload == "disk" and source.kind == "dir":
+        SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
+    config = read_config(source)
+    if sparsity is not None and getattr(config, "spap_mlp_widths", None):
+        raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
+    if sparsity is not None and getattr(config, "spap_slicing", None):
+        raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
+    context = context_length(config)
+    fits_context("seqlen", seqlen, context, model)
+    fits_context("eval_seqlen", eval_seqlen, context, model)
+    check = RunCheck(source, config, context, algo)
+    if sparsity is not None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
+            adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+        whole = algo is not None and algo.whole_model
+        if whole:  # SliceGPT: its own sparsity (a slicing fraction), resident models, no memory plan yet
+            check_sparsity(sparsity)
+            if offload not in ("auto", "none"):
+                raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
+                                     f"not {offload!r}")
+            offload = "none"
+        else:
+            check.plan = plan_sparsity(adapter, sparsity, round_to)
+            if resume_dir is not None and algo is not None:
+                resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
+                                                 "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,
+                                                 "propagate": propagate})
+        if algo is not None:
+            algo.prepare(adapter)  # e.g. FLAP's bias slot, SliceGPT's architectures
+        if algo is not None and nsamples and seqlen and not whole and sparsity > 0:
+            dev = pick_device(device)
+            row, memory_gb = local_device(dev)
+            check.memory_time = p = plan(
+                model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples, seqlen=seqlen,
+                eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows, device=row, device_memory_gb=memory_gb,
+                host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
+                disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
+            if not p.fits:
+                raise ParameterError(
+                    f"this run does not fit with {option('offload', p.offload)}: the plan needs "
+                    f"{size(p.peak_device_gb)} on {p.device} ({_limit(p.device_memory_gb)}), {size(p.peak_host_gb)} "
+                    f"of host memory ({_limit(p.host_memory_gb)})"
+                    + (f", {size(p.disk_gb)} of disk under {spill_root} ({_limit(p.disk_free_gb)})"
+                       if p.offload == "disk" else "")
+                    + ". Use " + (f"{option('offload', 'disk')} (weights read layer by layer), " if p.offload != "disk"
+                                  else f"{_spill_hint()}, ")
+                    + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
+                    f"device.\n{p.table()}")
+            check.offload = p.offload
+            if out_dir is not None:
+                _check_space(out_dir, p.checkpoint_gb)
+    if offload != "auto":
+        check.offload = offload
+    check.out_state = out_state
+    return check
+
+
+def _limit(gb: float | None) -> str:
+    return f"{size(gb)} available" if gb is not None else "not checked"
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor (where a new folder will be made)."""
+    path = path.expanduser().absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _spill_hint() -> str:
+    """Where the caller moves the spill folder (the CLI makes it beside --out, 02 in its run_dir)."""
+    return {"cli": "an --out on a larger disk (the spill folder is made beside it)",
+            "papermill": "-p run_dir on a larger disk (the spill folder is made there)"}.get(
+        current_surface(), "a spill_dir on a larger disk")
+
+
+def _check_space(out_dir: str | Path, need_gb: float) -> None:
+    """The pruned checkpoint must fit under ``out_dir`` (found out before the prune, not after it)."""
+    where = _existing(Path(out_dir))
+    free = shutil.disk_usage(where).free / 2**30
+    if free < need_gb:
+        raise OutputError(f"the pruned checkpoint needs about {size(need_gb)} and {where} has {size(free)} free: "
+                          f"free some space or choose {option('out', '<a folder on a larger disk>')}")
