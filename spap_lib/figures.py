@@ -116,7 +116,7 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
     old default's row under the current default's name, and the current default's rows under one name."""
     import json
 
-    from .grid import effective
+    from .grid import effective, ran_with
     from .methods import get_method
 
     if "resolved_hparams" not in table or not len(table):
@@ -125,12 +125,12 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
     def label(row) -> str:
         if row["method"] == "dense" or not row["resolved_hparams"]:
             return row["label"]
-        ran, hparams = json.loads(row["resolved_hparams"]), json.loads(row["hparams"] or "{}")
+        hparams = json.loads(row["hparams"] or "{}")
         acting = effective(row["method"], hparams)
         defaults = get_method(row["method"]).hparams()
-        stale = any(ran.get(k, "unset") != v for k, v in acting.items())
-        if not stale and all(defaults.get(k) != v for k, v in hparams.items()):
+        if ran_with(row["resolved_hparams"], acting) and all(defaults.get(k) != v for k, v in hparams.items()):
             return row["label"]  # as the grid named it
+        ran = json.loads(row["resolved_hparams"])
         differ = {k: ran.get(k, "unset") for k in acting if ran.get(k, "unset") != defaults.get(k)}
         text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(differ.items()))
         return row["method"] + (f"/{text}" if text else "")
@@ -159,7 +159,7 @@ def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.Data
     return wide.sort_index(key=lambda idx: idx.map(order) if idx.name == "label" else idx)
 
 
-# The paper's Table 5 rows, FASP as the one-shot reference; then the same rows with the Adam step 1e-2 (the
+# The paper's Table 5 rows, FASP as the one-shot reference; then the same rows with the Adam rate 1e-2 (the
 # offline SmolLM2 setting), with the paper's update (every token in every round, full precision) and with the
 # absolute Adam rate (``lr_scale``): rows keep the exact label of the settings they ran with (``exact_labels``).
 ABSOLUTE_LR = "/lr=0.001,lr_scale=absolute"

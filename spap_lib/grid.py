@@ -203,7 +203,7 @@ def effective(method: str, hparams: dict) -> dict:
     return {} if method == "dense" else get_method(method, **hparams).effective_hparams()
 
 
-def _current(recorded: str, effective: dict) -> bool:
+def ran_with(recorded: str, effective: dict) -> bool:
     """A row ran with ``effective``: each of them recorded with the same value (keys the row records
     beyond them are inert now). Rows written before the column existed record nothing and count."""
     if not recorded:
@@ -227,7 +227,7 @@ def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
     if "resolved_hparams" not in table:
         return bool(same_key.any())
     recorded = table["resolved_hparams"].fillna("").astype(str)
-    ran_these = recorded.map(lambda r: _current(r, current))
+    ran_these = recorded.map(lambda r: ran_with(r, current))
     same_settings = cell & (table["method"].astype(str) == method) & (recorded != "") & ran_these
     return bool((same_key & ran_these).any() or same_settings.any())
 

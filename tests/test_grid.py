@@ -225,18 +225,18 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     row stale where it changes the result, not where the row's own settings make it inert."""
     import json
 
-    from spap_lib.grid import _current, effective
+    from spap_lib.grid import effective, ran_with
 
     def recorded(method, hparams, drop):
         return json.dumps({k: v for k, v in sl.get_method(method, **hparams).hparams().items() if k not in drop})
 
     paper = {"sketch_tokens": 0, "update_precision": "full"}
-    assert _current(recorded("spap", paper, {"sketch_resample"}), effective("spap", paper))  # no sample to redraw
-    assert not _current(recorded("spap", {}, {"sketch_resample"}), effective("spap", {}))  # the default redraws
+    assert ran_with(recorded("spap", paper, {"sketch_resample"}), effective("spap", paper))  # no sample to redraw
+    assert not ran_with(recorded("spap", {}, {"sketch_resample"}), effective("spap", {}))  # the default redraws
     update = {"sketch_tokens", "update_precision", "sketch_resample"}
-    assert _current(recorded("spap_no_update", {}, update), effective("spap_no_update", {}))  # no update stage
-    assert not _current(recorded("spap_no_update", {"K": 5}, ()), effective("spap_no_update", {}))  # K acts
-    assert _current("", effective("spap", {})) and _current("{}", effective("dense", {}))
+    assert ran_with(recorded("spap_no_update", {}, update), effective("spap_no_update", {}))  # no update stage
+    assert not ran_with(recorded("spap_no_update", {"K": 5}, ()), effective("spap_no_update", {}))  # K acts
+    assert ran_with("", effective("spap", {})) and ran_with("{}", effective("dense", {}))
 
 
 def test_a_cell_run_under_another_label_with_the_same_settings_is_not_run_again():
