@@ -69,9 +69,13 @@ ablate: setup
 	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > $(ABLATE_RUN)/03_ablate.yaml
 	$(PAPERMILL) notebooks/03_ablate.ipynb $(ABLATE_RUN)/03_ablate.ipynb -f $(ABLATE_RUN)/03_ablate.yaml $(ARGS)
 
-# The same grid on the Qwen model (configs/ablate_qwen.yaml, into results/ablation.csv; resumable, hours on a CPU).
+# The same grid on the Qwen model (configs/ablate_qwen.yaml unless ABLATE_CONFIG is given, into
+# results/ablation.csv; resumable, hours on a CPU). A sub-make's own arguments beat the caller's, so the
+# defaults apply only to names not given on the command line.
+QWEN_ABLATE_CONFIG := $(if $(filter command line,$(origin ABLATE_CONFIG)),$(ABLATE_CONFIG),configs/ablate_qwen.yaml)
+QWEN_ABLATE_RUN := $(if $(filter command line,$(origin ABLATE_RUN)),$(ABLATE_RUN),runs/ablate_qwen)
 ablate-qwen: setup-qwen
-	$(MAKE) ablate ABLATE_CONFIG=configs/ablate_qwen.yaml ABLATE_RUN=runs/ablate_qwen
+	$(MAKE) ablate ABLATE_CONFIG=$(QWEN_ABLATE_CONFIG) ABLATE_RUN=$(QWEN_ABLATE_RUN)
 
 # Redraw Figure 2 and the headline table from the committed results table only (no pruning).
 figures: setup

@@ -103,14 +103,17 @@ def render_paper(csv: str) -> str:
 
 
 def render_budget128(csv: str) -> str:
-    """The 128 × 512 grid on its own: every method at today's defaults (the label is the method), per model,
-    on the first 40 test windows of 512; the best pruned cell of each model and sparsity in bold."""
+    """The 128 × 512 grid on its own: every method at today's defaults (the label is the method; where a model
+    has no such row, the method's labelled rows, e.g. ``flap/bias=false`` where there is no bias slot), per
+    model, on the first 40 test windows of 512; the best pruned cell of each model and sparsity in bold."""
     from spap_lib.figures import headline
 
     wide = headline(csv, eval_seqlen=512).reset_index()
     wide = wide[(wide["calib"] == "128×512") & (wide["eval_windows"] == 40)]
-    wide = wide[[label == "dense" or "/" not in label for label in wide["label"]]].drop(
-        columns=["calib", "eval_seqlen", "eval_windows"])
+    bare = {(m, label) for m, label in zip(wide["model"], wide["label"]) if "/" not in label}
+    shown = [label == "dense" or "/" not in label or (m, label.split("/")[0]) not in bare
+             for m, label in zip(wide["model"], wide["label"])]
+    wide = wide[shown].drop(columns=["calib", "eval_seqlen", "eval_windows"])
     sparsities = [c for c in wide.columns if not isinstance(c, str) and c > 0]
     out = wide.rename(columns={"label": "method"}).astype(object)
     for model, rows in wide.groupby("model"):
