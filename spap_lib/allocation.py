@@ -6,7 +6,9 @@ removes exactly the same number of parameters; only its spread over layers diffe
 * ``global``: FLAP's adaptive structure (An et al., AAAI 2024): standardise each layer's scores to
   zero mean and unit variance, then remove the globally lowest;
 * ``angular``: CFSP's coarse step (Wang et al., 2024): layers whose block turns the hidden state
-  less (smaller angular distance) keep fewer channels.
+  less (smaller angular distance) keep fewer channels;
+* ``error``: each layer's measured relative reconstruction error at a few widths (``SPAP.error_curve``),
+  and the removals that minimise their sum.
 Every layer keeps at least one channel.
 """
 from __future__ import annotations
@@ -62,3 +64,40 @@ def angular(importance: list[float], width: int, total: int, *, a: float = 1.0, 
     keep = [s / avg * keep_ratio * width for s in sig]
     removed = [width - k for k in keep]
     return _largest_remainder(removed, total, [width - 1] * L)
+
+
+def _lower_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of ``(r, e)`` points sorted by ``r`` (Andrew's monotone chain, lower half)."""
+    hull: list[tuple[int, float]] = []
+    for p in points:
+        while len(hull) >= 2 and (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0]) >= \
+                (p[1] - hull[-2][1]) * (hull[-1][0] - hull[-2][0]):
+            hull.pop()
+        hull.append(p)
+    return hull
+
+
+def by_error(curves: list[list[tuple[int, float]]], total: int) -> list[int]:
+    """Removal counts summing to ``total`` that minimise the layers' summed error, each layer's error taken
+    as linear between its measured points ``(r, e)`` (``r`` channels removed, ``r`` from 0 to at most the
+    width − 1) and convexified. On convex curves removing channels where the next one costs least is
+    optimal: the hull's segments are taken in order of slope, the last one in part."""
+    segments = []  # (error per channel removed, layer, r at the segment's start, its length)
+    for i, curve in enumerate(curves):
+        lowest: dict[int, float] = {}
+        for r, e in curve:  # one point per r: the lowest error measured there
+            lowest[r] = min(e, lowest.get(r, e))
+        hull = _lower_hull(sorted(lowest.items()))
+        if hull[0][0] != 0:
+            raise ValueError(f"layer {i}'s error curve does not start at 0 channels removed")
+        segments += [((e1 - e0) / (r1 - r0), i, r0, r1 - r0) for (r0, e0), (r1, e1) in zip(hull, hull[1:])]
+    counts, left = [0] * len(curves), total
+    for _, i, _, length in sorted(segments):  # a layer's slopes rise along its hull: its segments stay in order
+        take = min(length, left)
+        counts[i] += take
+        left -= take
+        if not left:
+            break
+    if left:
+        raise ValueError(f"cannot remove {total} channels: the curves reach {total - left}")
+    return counts

@@ -116,7 +116,7 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
     old default's row under the current default's name, and the current default's rows under one name."""
     import json
 
-    from .grid import effective, ran_with
+    from .grid import before, effective, ran_with
     from .methods import get_method
 
     if "resolved_hparams" not in table or not len(table):
@@ -127,10 +127,10 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
             return row["label"]
         hparams = json.loads(row["hparams"] or "{}")
         acting = effective(row["method"], hparams)
-        defaults = get_method(row["method"]).hparams()
-        if ran_with(row["resolved_hparams"], acting) and all(defaults.get(k) != v for k, v in hparams.items()):
+        defaults, absent = get_method(row["method"]).hparams(), before(row["method"])
+        if ran_with(row["resolved_hparams"], acting, absent) and all(defaults.get(k) != v for k, v in hparams.items()):
             return row["label"]  # as the grid named it
-        ran = json.loads(row["resolved_hparams"])
+        ran = {**absent, **json.loads(row["resolved_hparams"])}
         differ = {k: ran.get(k, "unset") for k in acting if ran.get(k, "unset") != defaults.get(k)}
         text = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(differ.items()))
         return row["method"] + (f"/{text}" if text else "")

@@ -28,11 +28,10 @@ import torch
 
 from . import api, io
 from .capture import first_layer_inputs
-from .checks import scalar
 from .data import Calibration, tokenize, wikitext
 from .errors import ParameterError
 from .evaluate import perplexity_of_ids
-from .methods import Unsupported, get_method
+from .methods import Unsupported, get_method, parse_label
 from .models import Loaded
 from .pipeline import dense_stats, needs_dense_stats
 from .resume import LayerCheckpoint
@@ -54,13 +53,8 @@ class Variant:
 
     @classmethod
     def parse(cls, label: str, base: dict | None = None) -> "Variant":
-        method, _, spec = label.partition("/")
-        hparams = dict((base or {}).get(method, {}))
-        for item in filter(None, spec.split(",")):
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ParameterError(f"bad variant {label!r}: expected method/key=value[,key=value]")
-            hparams[key.strip()] = scalar(value)
+        method, given = parse_label(label)
+        hparams = {**(base or {}).get(method, {}), **given}
         get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
         return cls(label, method, hparams)
 
@@ -203,12 +197,22 @@ def effective(method: str, hparams: dict) -> dict:
     return {} if method == "dense" else get_method(method, **hparams).effective_hparams()
 
 
-def ran_with(recorded: str, effective: dict) -> bool:
+def before(method: str) -> dict:
+    """What a row of ``method`` recorded before an option of ``Method.introduced`` existed ran with: its
+    default (such options were added with the earlier behaviour as their default)."""
+    if method == "dense":
+        return {}
+    defaults = get_method(method).hparams()
+    return {k: defaults[k] for k in get_method(method).introduced if k in defaults}
+
+
+def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool:
     """A row ran with ``effective``: each of them recorded with the same value (keys the row records
-    beyond them are inert now). Rows written before the column existed record nothing and count."""
+    beyond them are inert now), or not recorded and ``absent`` (``before``) says what it ran. Rows written
+    before the column existed record nothing and count."""
     if not recorded:
         return True
-    ran = json.loads(recorded)
+    ran = {**(absent or {}), **json.loads(recorded)}
     return all(k in ran and ran[k] == v for k, v in effective.items())
 
 
@@ -227,7 +231,8 @@ def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
     if "resolved_hparams" not in table:
         return bool(same_key.any())
     recorded = table["resolved_hparams"].fillna("").astype(str)
-    ran_these = recorded.map(lambda r: ran_with(r, current))
+    absent = before(method)
+    ran_these = recorded.map(lambda r: ran_with(r, current, absent))
     same_settings = cell & (table["method"].astype(str) == method) & (recorded != "") & ran_these
     return bool((same_key & ran_these).any() or same_settings.any())
 

@@ -91,10 +91,11 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
 
 
 def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
-                chunk: int = 8192, progress: bool = True) -> list[ChannelStats]:
+                chunk: int = 8192, progress: bool = True, curve=None) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
-    ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``.
+    ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
+    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation.
     """
     onloader = onloader or _resident(adapter)
     hidden, kwargs = inputs
@@ -105,6 +106,8 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
                             watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations)
             check_finite(X, f"layer {i}: the MLP inputs")
             s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
+            if curve is not None:
+                s.curve = curve(adapter.get_mlp(layer), X, chunk)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out
@@ -162,8 +165,10 @@ def prune_model(
         with onloader.base():
             inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
     uniform = method.allocation == "uniform"
-    if stats is None and needs_dense_stats(method, propagate):
-        stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress)
+    curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
+    if (stats is None or curve is not None) and needs_dense_stats(method, propagate):
+        stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
+                            curve=curve)
     removals = [plan.n_remove] * len(layers) if uniform else \
         method.removals(stats, plan.width, plan.n_remove * len(layers),
                         _allocation_scores(adapter, method, onloader, stats))

@@ -23,6 +23,7 @@ class ChannelStats:
     z_sum: torch.Tensor  # Σ_t Z_tj                 [n], float64
     z_sq: torch.Tensor  # Σ_t Z_tj²  (= diag Z Zᵀ)  [n], float64
     angular: float | None = None  # Σ_t arccos(cos(h_in,t, h_out,t))/π of the decoder block (CFSP)
+    curve: list[tuple[int, float]] | None = None  # (channels removed, relative error): the "error" allocation
 
     @property
     def norm(self) -> torch.Tensor:
@@ -37,6 +38,11 @@ class ChannelStats:
     def var(self) -> torch.Tensor:
         """Unbiased variance of each channel over tokens (FLAP's "fluctuation")."""
         return ((self.z_sq - self.N * self.mean.pow(2)) / max(self.N - 1, 1)).clamp_min(0)
+
+    @classmethod
+    def norms(cls, z_sq: torch.Tensor, N: int) -> "ChannelStats":
+        """Statistics that know ``‖Z_j‖²`` only (a Gram diagonal): the means read as NaN, never as zero."""
+        return cls(N, torch.full_like(z_sq, float("nan")), z_sq)
 
     @classmethod
     def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":

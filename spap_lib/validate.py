@@ -43,12 +43,18 @@ class RunCheck:
     def summary(self) -> str:
         lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
                  f"context {self.context or 'unknown'} tokens"]
+        uniform = self.method is None or self.method.allocation == "uniform"
         if self.method is not None:
             lines.append(f"method {self.method.name}: {self.method.hparams()}")
+            if self.method.parts():
+                lines.append("parts: " + ", ".join(f"{k} {v}" for k, v in self.method.parts().items()))
         if self.plan is not None:
             p = self.plan
-            lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer ({p.mlp_ratio:.1%} of channels; "
-                         f"MLP = {p.mlp_share:.1%} of decoder params)")
+            lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer{'' if uniform else ' on average'} "
+                         f"({p.mlp_ratio:.1%} of channels; MLP = {p.mlp_share:.1%} of decoder params)")
+        if not uniform:
+            lines.append(f"allocation {self.method.allocation}: per-layer widths; the checkpoint loads with "
+                         "spap_lib.load, not stock transformers (which reads one intermediate_size for every layer)")
         if self.out_state is not None:
             replaced = " (will be replaced)" if self.out_state == "checkpoint" else ""
             lines.append(f"out_dir: {self.out_state}{replaced}")

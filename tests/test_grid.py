@@ -237,6 +237,17 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     assert ran_with(recorded("spap_no_update", {}, update), effective("spap_no_update", {}))  # no update stage
     assert not ran_with(recorded("spap_no_update", {"K": 5}, ()), effective("spap_no_update", {}))  # K acts
     assert ran_with("", effective("spap", {})) and ran_with("{}", effective("dense", {}))
+    # The parts (select, allocation, update) arrived as options defaulting to each method's own: a row recorded
+    # before them ran its preset, and is stale only for another composition.
+    from spap_lib.grid import before
+
+    old_fasp = json.dumps({"damp": 0.001, "precision": "auto"})
+    assert ran_with(old_fasp, effective("fasp", {}), before("fasp"))
+    assert not ran_with(old_fasp, effective("fasp", {"update": "alternating"}), before("fasp"))
+    assert not ran_with(old_fasp, effective("fasp", {}))  # without knowing what was introduced: stale
+    old_spap = recorded("spap", {}, {"select", "update", "score_scale", "allocation", "error_tokens"})
+    assert ran_with(old_spap, effective("spap", {}), before("spap"))
+    assert not ran_with(old_spap, effective("spap", {"score_scale": "layer"}), before("spap"))
 
 
 def test_a_cell_run_under_another_label_with_the_same_settings_is_not_run_again():

@@ -284,10 +284,13 @@ def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(m
     assert err == pytest.approx(errors["final"], rel=1e-4) and errors["final"] < 0.9 * errors["start"]
 
 
-def test_spap_gd_refuses_resampling_it_cannot_do():
+def test_resampling_is_inert_for_gradient_descent():
+    """``gd`` has no closed form to draw samples for: its resampling setting acts nowhere, so it is not part of
+    the settings that decide a result (a grid row of either value is the same run)."""
     import spap_lib as sl
-    from spap_lib.checks import ParameterError
 
     assert sl.get_method("spap").sketch_resample and not sl.get_method("spap_gd").sketch_resample
-    with pytest.raises(ParameterError, match="sketch_resample must be False"):
-        sl.get_method("spap_gd", sketch_resample=True)
+    for method, hparams in (("spap_gd", {"sketch_resample": True}), ("spap", {"update": "gd"})):
+        assert "sketch_resample" not in sl.get_method(method, **hparams).effective_hparams()
+    assert sl.get_method("spap_gd", sketch_resample=True).effective_hparams() == \
+        sl.get_method("spap", update="gd", sketch_resample=False).effective_hparams()

@@ -32,9 +32,75 @@ def _hparams(method, arch):
 @pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if not sl.METHODS[m].whole_model))  # MLP channels
 def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, tiny_tokenizer, tmp_path):
     """Same budget for every method; the saved checkpoint reloads to the same logits."""
+    _prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)
+
+
+COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "fasp/update=gd",
+                "spap/select=fluctuation,update=none", "spap/score_scale=layer", "spap/allocation=error",
+                "fasp/select=magnitude,allocation=global", "spap_no_update/allocation=angular"]
+
+
+@pytest.mark.parametrize("label", COMPOSITIONS)
+def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_tokenizer, tmp_path):
+    """A composition is one label (as a grid, the CLI or 02 gives it): it spends exactly the plan and its
+    checkpoint reloads to the same logits, whatever its selection, allocation and update."""
+    from spap_lib.grid import Variant
+
+    variant = Variant.parse(label)
+    method = sl.get_method(variant.method, **variant.hparams)
+    fast = {k: v for k, v in FAST.items() if k in method.effective_hparams()}  # the parts it has
+    assert method.parts() == {**sl.get_method(variant.method).parts(),
+                              **{k: v for k, v in variant.hparams.items() if k in ("select", "allocation", "update")}}
+    _prune_save_reload(loaded, variant.method, {**fast, **variant.hparams}, windows, tiny_tokenizer, tmp_path)
+
+
+def test_presets_reproduce_their_methods():
+    """Every method is a preset of the parts (``methods.parts``): each keeps the channels, and ends with the
+    weights, that its own implementation gave (tests/data/presets.json, written before the methods were
+    presets; ``python tests/presets.py`` says how to rewrite it for a change meant to alter a result)."""
+    from presets import ARCHS, CASES, snapshot
+
+    reference = json.loads((Path(__file__).parent / "data" / "presets.json").read_text())
+    assert set(reference) == {f"{a}/{label}" for a in ARCHS for label in CASES}
+    for key, expected in reference.items():
+        arch, label = key.split("/", 1)
+        got = snapshot(arch, *CASES[label])
+        assert got["kept"] == expected["kept"], key
+        def flat(sums):
+            return [v for layer in sums for tensor in layer for v in tensor]
+        assert flat(got["sums"]) == pytest.approx(flat(expected["sums"]), rel=1e-6, abs=1e-9), key
+
+
+def test_error_allocation_spends_the_budget_where_channels_matter_least(windows):
+    """The "error" allocation meets the budget exactly, never empties a layer, and takes more channels from a
+    layer whose channels do not matter (half of layer 1's are dead: zero input rows) than from the others."""
+    from conftest import tiny_model
+
+    from spap_lib.models import Loaded, ModelSource
+
+    gen = torch.Generator().manual_seed(0)
+    curves = [[(r, float(torch.rand(1, generator=gen)) * r**p) for r in range(0, 50, 7)] + [(49, 60.0)]
+              for p in (0.5, 1.0, 2.0, 1.5)]  # concave, linear, convex: the hull makes them all convex
+    for total in (0, 1, 77, 4 * 49):
+        counts = allocation.by_error(curves, total)
+        assert sum(counts) == total and all(0 <= c <= 49 for c in counts)
+    with pytest.raises(ValueError, match="cannot remove"):
+        allocation.by_error(curves, 4 * 49 + 1)
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[:32] = 0  # 32 of 64 channels output nothing
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error"}, progress=False)
+    removed = [layer["removed"] for layer in report["layers"]]
+    assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
+    assert removed[1] >= 32 and removed[1] > max(removed[0], removed[2])
+
+
+def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):
     loaded.tokenizer = tiny_tokenizer
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
-    report = sl.prune(loaded, _calib(windows), method, 0.3, hparams=_hparams(method, arch), progress=False)
+    report = sl.prune(loaded, _calib(windows), method, 0.3, hparams=hparams, progress=False)
     widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
     assert sum(64 - w for w in widths) == plan.n_remove * len(widths)  # exactly the planned channels
     assert all(w >= 1 for w in widths)
@@ -173,8 +239,8 @@ def test_spap_ablations_share_the_penalty_stage(loaded, windows):
     assert gd.info["rel_error_final"] == pytest.approx(final, rel=1e-6)
     assert gd.info["rel_error_final"] < 0.99 * gd.info["rel_error_penalty"]
     assert not torch.equal(gd.mlp.W_in[0], base.mlp.W_in[0]) and not torch.equal(gd.mlp.W_out, base.mlp.W_out)
-    with pytest.raises(ValueError, match="no update stage"):
-        sl.get_method("spap_no_update", am_iters=3)
+    # least squares only: the rounds' settings act nowhere
+    assert "am_iters" not in sl.get_method("spap_no_update", am_iters=3).effective_hparams()
 
 
 def test_allocations_spend_exactly_the_budget():

@@ -189,3 +189,23 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     assert stages["penalty / refit solves"]["solve"] == pytest.approx((spap.K + 1) * ((s.n + 1) ** 3 / 3
                                                                                        + 2 * (s.n + 1) ** 2 * s.d))
     assert "Adam steps" in stages and "Adam steps" not in sl.get_method("spap_no_update").cost(s)
+
+
+def test_a_composition_label_runs_through_the_run_check_and_the_plan():
+    """``spap/select=...,allocation=...,update=...`` is one method argument for 02, the CLI and the plan: its
+    parts are printed, a non-uniform allocation says what loading costs, and each part's work is priced."""
+    import spap_lib as sl
+
+    job = sl.check_run("smollm2-135m", method="spap/select=act_norm,allocation=error", sparsity=0.2, nsamples=8,
+                       seqlen=256, eval_seqlen=128, eval_windows=4, device="cpu")
+    assert "parts: select act_norm, allocation error, update alternating" in job.summary()
+    assert "loads with spap_lib.load, not stock transformers" in job.summary()
+    assert "stock transformers" not in sl.check_run("smollm2-135m", method="fasp", sparsity=0.2, nsamples=8,
+                                                    seqlen=256, eval_seqlen=128, eval_windows=4,
+                                                    device="cpu").summary()
+    stages = {name: plan("smollm2-135m", method=label, nsamples=8, seqlen=256).seconds for name, label in
+              (("fasp", "fasp"), ("fasp+gd", "fasp/update=gd"), ("penalty, no update", "spap/update=none"))}
+    assert "Adam steps" not in stages["fasp"] and "Adam steps" in stages["fasp+gd"]
+    assert "penalty / refit solves" in stages["penalty, no update"] and "Adam steps" not in stages["penalty, no update"]
+    with pytest.raises(ParameterError, match="sets update otherwise"):
+        sl.check_run("smollm2-135m", method="fasp/update=gd", hparams={"update": "ls"}, sparsity=0.2)

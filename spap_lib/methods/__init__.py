@@ -6,7 +6,7 @@ decorates with ``@register``: a new method is one new file, nothing else to edit
 import importlib
 import pkgutil
 
-from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, register
+from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, parse_label, register
 
 DEFAULT_METHOD = "spap"  # the paper's method: what a prune uses unless told otherwise
 
@@ -14,4 +14,4 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "LayerProblem", "Method", "PruneResult", "Unsupported", "get_method",
-           "register"]
+           "parse_label", "register"]

@@ -15,7 +15,7 @@ import torch
 
 from .. import allocation as alloc
 from ..adapters import MLP
-from ..checks import ParameterError, check_fields
+from ..checks import ParameterError, check_fields, scalar
 from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, resolve_precision
 
 
@@ -160,6 +160,9 @@ class Method:
     scores_dense: ClassVar[bool] = False
     # Gram accumulation and solve precision; methods that solve declare it as a hyperparameter.
     precision = "float64"
+    # Hyperparameters added with the earlier behaviour as their default: a result recorded before one of them
+    # existed ran that default (``grid.ran_with``).
+    introduced: ClassVar[tuple[str, ...]] = ()
     # Whether the method transforms the whole model (``prune_model``: SliceGPT slices the residual
     # stream) instead of pruning each MLP's channels (``prune``: everything else).
     whole_model: ClassVar[bool] = False
@@ -174,6 +177,19 @@ class Method:
             raise ParameterError(f"method {self.name!r} supports allocation {' or '.join(self.allocations)}, "
                                  f"not {choice!r}")
 
+    def parts(self) -> dict[str, str]:
+        """The method's selection, allocation and update (``methods.parts``); empty for a whole-model method."""
+        return {}
+
+    @classmethod
+    def fixed_parts(cls) -> str:
+        """Why a part that this method does not take as a hyperparameter cannot be set (``get_method``)."""
+        return "its parts are fixed"
+
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int) -> list[tuple[int, float]]:
+        """``(channels removed, relative error)`` of one dense layer, for ``allocation="error"``."""
+        raise NotImplementedError
+
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
         """Per-channel importance on dense statistics, for ``allocation="global"``."""
         raise NotImplementedError
@@ -186,6 +202,8 @@ class Method:
             return alloc.global_standardized(scores, total)
         if choice == "angular":
             return alloc.angular([s.angular for s in stats], width, total, a=self.a, scale=self.scale)
+        if choice == "error":
+            return alloc.by_error([s.curve for s in stats], total)
         return [total // len(stats)] * len(stats)
 
     def prepare(self, adapter) -> None:
@@ -239,13 +257,38 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
+def parse_label(label: str) -> tuple[str, dict]:
+    """``method`` or ``method/key=value,key=value`` (a composition such as ``spap/select=act_norm,allocation=error``,
+    as grids name their cells) → the method's name and those hyperparameters."""
+    method, _, spec = label.partition("/")
+    hparams = {}
+    for item in filter(None, spec.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ParameterError(f"bad method label {label!r}: expected method/key=value[,key=value]")
+        hparams[key.strip()] = scalar(value)
+    return method, hparams
+
+
 def get_method(name: str, **hparams) -> Method:
-    """The registered method ``name`` with ``hparams`` over its defaults; every value is checked."""
+    """The registered method ``name`` with ``hparams`` over its defaults; every value is checked. ``name`` may
+    be a label (``parse_label``) whose settings ``hparams`` must not contradict."""
+    if isinstance(name, str) and "/" in name:
+        label = name
+        name, given = parse_label(label)
+        clash = sorted(k for k in given.keys() & hparams.keys() if given[k] != hparams[k])
+        if clash:
+            raise ParameterError(f"method label {label!r} sets {', '.join(clash)} otherwise than hparams "
+                                 f"{ {k: hparams[k] for k in clash} }: give each setting once")
+        hparams = {**given, **hparams}
     if not isinstance(name, str) or name not in METHODS:
         raise ParameterError(f"unknown method {name!r}: registered methods are {', '.join(sorted(METHODS))}")
     cls = METHODS[name]
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(hparams) - known
+    parts = sorted(unknown & {"select", "allocation", "update"})
+    if parts:
+        raise ParameterError(f"method {name!r} takes no {' or '.join(parts)}: {cls.fixed_parts()}")
     if unknown:
         raise ParameterError(
             f"unknown hyperparameter(s) {sorted(unknown)} for method {name!r}; it takes {sorted(known)}"

@@ -7,7 +7,9 @@ N calibration tokens. Scores: higher = more important; each layer keeps its high
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -15,18 +17,33 @@ from ..adapters import MLP, Adapter
 from ..checks import hp
 from ..stats import ChannelStats
 from .base import LayerProblem, Method, PruneResult, Unsupported, register
+from .parts import SCORES
 
 
 @dataclass
 class ScoreMethod(Method):
-    """Base class: ``score`` ranks channels, ``allocation`` spreads the budget over layers."""
+    """Base class: ``score`` ranks channels, ``allocation`` spreads the budget over layers; no update (the
+    dense model's statistics decide everything, so nothing propagates). The same selection with an update
+    is a layer-wise composition (``parts``): ``spap/select=<selection>,update=...``."""
 
     propagates = False
     fits = False  # scores only (FLAP's bias compensation is a mean, not a fit)
     scores_dense = True
+    selection: ClassVar[str] = ""  # the part of ``parts.SELECTIONS`` this method's score is
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
-        raise NotImplementedError
+        return SCORES[self.selection](mlp, stats)
+
+    def parts(self) -> dict[str, str]:
+        return {"select": self.selection, "allocation": self.allocation, "update": "none"}
+
+    @classmethod
+    def fixed_parts(cls) -> str:
+        return (f"it ranks channels on the dense model's statistics without propagating, so no update (which fits "
+                f"the pruned layers' activations) can follow it. The same selection with an update is the "
+                f"layer-wise composition spap/select={cls.selection},update=ls (or alternating, gd)"
+                + ("" if "allocation" in {f.name for f in dataclasses.fields(cls)} else
+                   f"; its allocation is {cls.allocation} only"))
 
     def allocation_scores(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
         return self.score(mlp, stats)
@@ -51,9 +68,7 @@ class Magnitude(ScoreMethod):
     """Magnitude floor: ``‖W[:, j]‖₂`` of the output projection, no data, no update."""
 
     name = "magnitude"
-
-    def score(self, mlp, stats):
-        return mlp.W_out.double().norm(dim=0)
+    selection = "magnitude"
 
 
 @register
@@ -65,9 +80,7 @@ class WandaSP(ScoreMethod):
     name = "wanda_sp"
     allocations = ("uniform", "global")
     allocation: str = "uniform"  # FLAP's Wanda-SP baseline is uniform; "global" = one standardised threshold
-
-    def score(self, mlp, stats):
-        return mlp.W_out.double().abs().sum(0) * stats.norm
+    selection = "wanda"
 
 
 @register
@@ -101,8 +114,10 @@ class FLAP(ScoreMethod):
             )
         adapter.enable_out_bias()
 
-    def score(self, mlp, stats):
-        return stats.var * mlp.W_out.double().pow(2).sum(0)
+    selection = "fluctuation"
+
+    def parts(self) -> dict[str, str]:
+        return {**super().parts(), "update": "bias" if self.bias else "none"}  # the removed channels' mean
 
     def finish(self, mlp, keep, stats):
         out = mlp.select(keep)
@@ -136,6 +151,7 @@ class CFSP(ScoreMethod):
     allocation: str = "angular"
     a: float = hp(1.0, ge=0)  # sigmoid sharpness of the block allocation (CFSP's --a)
     scale: float = hp(1e4, gt=0)  # divisor of the token-summed angular distances, as in CFSP's code
+    selection = "act_norm"  # what its score ranks by (computed literally below)
 
     def score(self, mlp, stats):
         xnorm = stats.norm

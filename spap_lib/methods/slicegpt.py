@@ -22,6 +22,11 @@ class SliceGPT(Method):
     fits: ClassVar[bool] = False
     round_to: int = hp(8, ge=1)  # kept dimension rounded down to a multiple (official --round-interval)
 
+    @classmethod
+    def fixed_parts(cls) -> str:
+        return ("it rotates and slices the residual stream of the whole model: there are no MLP channels to select, "
+                "allocate over layers or update")
+
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
         # per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)
         return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3)}}

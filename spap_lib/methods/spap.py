@@ -36,6 +36,10 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
 * The hard mask breaks ties in ``s`` by the final score (lowest removed first).
 * The s-step marks the λ lowest scores of the current iterate (``threshold="top"``); Alg. 1 as printed
   compares them with ``Top_{n−λ}`` of the previous iteration's scores (``threshold="previous"``).
+* ``score_scale="layer"`` (an option; the default is the paper's score) divides each of the s-step score's two
+  terms by its mean over the layer's columns (``parts.column_scores``).
+* ``select``, ``allocation`` and ``update`` compose other channel choices, per-layer widths and updates with
+  the method's parts (``methods.parts``); the defaults are the paper's.
 * ``precision="auto"``: float32 Gram sums and Jacobi-scaled float32 solves (``linalg``), with TF32
   products on CUDA: the fit of a 24 GB GPU, and 1.6x faster solves than float64 on a CPU.
 * Cheap rounds. The paper recomputes ``Z Zᵀ`` and ``Y Zᵀ`` over all N tokens in every round, which was
@@ -56,14 +60,11 @@ from typing import Callable
 import torch
 
 from ..adapters import MLP
-from ..checks import ParameterError, hp
+from ..checks import hp
 from ..linalg import PRECISION_CHOICES, gram, lstsq_columns, mean_diag, products, ridge, sq_norm
+from ..stats import ChannelStats
 from .base import LayerProblem, Method, PruneResult, Shapes, register, solve_flops
-
-
-def column_scores(W: torch.Tensor, znorm: torch.Tensor, t: float) -> torch.Tensor:
-    """``t‖W[:,j]‖² + (1−t)‖W[:,j]‖₁‖Zⱼ‖₂`` for every column j (higher = more important)."""
-    return t * W.pow(2).sum(0) + (1 - t) * W.abs().sum(0) * znorm
+from .parts import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
 
 
 def penalty_method(
@@ -79,6 +80,7 @@ def penalty_method(
     K: int,
     damp: float,
     threshold: str = "top",
+    scale_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Alg. 1 on ``W0 [d, n(+1)]`` and ``H = Z̃ Z̃ᵀ``; with ``bias`` the last column/row is the bias.
 
@@ -88,6 +90,7 @@ def penalty_method(
     mask at the end removes exactly λ either way).
     Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics,
     among them ``moved``: how many removed channels differ from the first score step's choice.
+    ``scale_free``: each score term divided by its mean over the layer (``column_scores``).
     """
     dtype = H.dtype  # the method's precision
     n = H.shape[0] - int(bias)
@@ -102,7 +105,7 @@ def penalty_method(
     previous, first = None, None
     for _ in range(K):  # Alg. 1: for k = 1, …, K
         # s-step: s_new marks the columns of lowest score; s moves toward it
-        score = column_scores(W[:, :n], znorm, t)
+        score = column_scores(W[:, :n], znorm, t, scale_free)
         s_new = torch.zeros_like(s)
         if threshold == "previous" and previous is not None and 0 < lam < n:
             # Alg. 1 as printed: s_new_j = 1 iff score_j < Top_{n−λ}(previous scores)
@@ -121,7 +124,7 @@ def penalty_method(
         rho *= tau
     # Alg. 1, output: the hard mask (the λ channels s marks most strongly; ties go to the lower
     # score), then W refitted on the kept columns only.
-    score = column_scores(W[:, :n], znorm, t)
+    score = column_scores(W[:, :n], znorm, t, scale_free)
     by_score = torch.argsort(score)
     order = by_score[torch.argsort(-s[by_score], stable=True)]
     keep_mask = torch.ones(n, dtype=torch.bool, device=H.device)
@@ -284,22 +287,28 @@ def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
     return torch.full((H.shape[0],), damp * mean_diag(H[:n, :n]), dtype=H.dtype, device=H.device)
 
 
-# what only the update stage reads
-UPDATE_HPARAMS = ("adam_steps", "lr", "lr_scale", "batch_tokens", "sketch_tokens", "update_precision",
-                  "sketch_resample")
+# what only the penalty method reads (``t`` also ranks channels for a non-uniform allocation), and what only
+# the update's rounds read
+PENALTY_HPARAMS = ("t", "alpha", "rho0", "tau", "K", "threshold", "score_scale")
+ROUND_HPARAMS = ("adam_steps", "lr", "lr_scale", "batch_tokens", "sketch_tokens", "update_precision", "sketch_resample")
 
 
 @register
 @dataclass
 class SPAP(Method):
-    """Penalty method (Alg. 1) for the mask, then alternating minimisation for the weights."""
+    """Penalty method (Alg. 1) for the mask, then alternating minimisation for the weights; with ``select``,
+    ``allocation`` and ``update`` any layer-wise composition of the three parts (``methods.parts``)."""
 
     name = "spap"
     ours = True
-    uses_targets = True  # the update's Adam steps fit the dense outputs token by token
+    # The three parts (methods.parts): the presets below differ only in these defaults.
+    select: str = hp("penalty", choices=SELECTIONS)
+    update: str = hp("alternating", choices=UPDATES)
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
     # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
     t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, doubles the error)
+    # the score's two terms as they are ("none", the paper) or each divided by its mean over the layer ("layer")
+    score_scale: str = hp("none", choices=("none", "layer"))
     alpha: float = hp(0.5, ge=0, lt=1)  # soft mask update s ← αs + (1−α)s_new (α = 1 would never move s)
     rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
     tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
@@ -326,73 +335,149 @@ class SPAP(Method):
     # sample: one fixed sample let the rounds overfit it (bench/results/speed_*.md)
     sketch_resample: bool = True
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
-    # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule.
+    # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
+    # "error" = the widths that minimise the layers' summed relative error (``error_curve``, ``allocation.by_error``)
     allocation: str = "uniform"
-    allocations = ("uniform", "global", "angular")
+    allocations = ("uniform", "global", "angular", "error")
+    error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
+    # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
+    introduced = ("select", "update", "score_scale", "allocation", "error_tokens")
 
-    def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
-        return column_scores(mlp.W_out.double(), stats.norm, self.t)
+    @property
+    def uses_targets(self) -> bool:
+        """The update's Adam steps fit the dense outputs token by token."""
+        return self.update in ROUNDS and self.am_iters > 0
+
+    def parts(self) -> dict[str, str]:
+        return {"select": self.select, "allocation": self.allocation, "update": self.update}
+
+    def allocation_scores(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
+        """The selection's score on dense statistics (the penalty method: its first s-step's)."""
+        if self.select == "penalty":
+            return column_scores(mlp.W_out.double(), stats.norm, self.t, self.score_scale == "layer")
+        return SCORES[self.select](mlp, stats)
 
     def effective_hparams(self) -> dict:
-        """Without update rounds (``am_iters=0``) the update's settings are inert; without a token sample
-        (``sketch_tokens=0``), resampling it is."""
-        inert = set(UPDATE_HPARAMS) if self.am_iters == 0 else {"sketch_resample"} if self.sketch_tokens == 0 else set()
+        """The settings of parts not chosen are inert: the penalty method's without it, the rounds' without
+        rounds (``update`` none/ls or ``am_iters=0``), resampling without a token sample or without a
+        closed form to resample for (``gd``), the error curve's without the error allocation."""
+        inert = set() if self.select == "penalty" else set(PENALTY_HPARAMS)
+        if self.update not in ROUNDS:
+            inert |= {"am_iters", *ROUND_HPARAMS}
+        elif self.am_iters == 0:
+            inert |= set(ROUND_HPARAMS)
+        elif self.sketch_tokens == 0 or self.update == "gd":
+            inert.add("sketch_resample")
+        if self.allocation != "error":
+            inert.add("error_tokens")
         return {k: v for k, v in self.hparams().items() if k not in inert}
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
-        """The dense Gram pass, K penalty solves and the refit, then (``am_iters`` > 0) the update: Adam's
-        forward and backward products, each round's pass over its token sample and its solve, and the final
-        refit on every token when the rounds were cheap (a sample or bf16)."""
+        """The dense Gram pass, the selection (K penalty solves and the refit, or one refit; a statistics pass
+        for a score needing channel means), then (rounds) the update: Adam's forward and backward products,
+        each round's pass over its token sample and its solve, and the final refit on every token when the
+        rounds were cheap (a sample or bf16)."""
         stages = super().cost(s)
-        del stages["refit solve"]
-        stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d)}
-        if not self.am_iters:
+        refit = stages.pop("refit solve")
+        if self.select == "penalty":
+            stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d)}
+        elif self.update != "none":
+            stages["refit solve"] = refit
+        if self.select in NEEDS_MEAN:
+            stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n}
+        if self.update not in ROUNDS or not self.am_iters:
             return stages
         low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
         Nr = min(self.sketch_tokens or s.N, s.N)  # the rounds' token sample
         refit = Nr < s.N or low == "bf16"  # the best round refitted on every token at ``precision``
         mlp = 2 * (s.in_proj + 1) * s.d * s.n_keep  # per token: the pruned MLP's forward
         stages["Adam steps"] = {low: self.am_iters * self.adam_steps * min(self.batch_tokens, s.N) * 3 * mlp}
-        stages.update(self.round_cost(s, Nr, low, refit, mlp))
-        return stages
-
-    def round_cost(self, s: Shapes, Nr: int, low: str, refit: bool, mlp: float) -> dict[str, dict[str, float]]:
-        """The closed form of every round: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and
-        (resampled) the ranking forward pass on the first sample; one solve per round and per refit."""
+        if self.update == "gd":  # every round: a forward pass for the error on the rounds' sample
+            rounds = {low: self.am_iters * Nr * mlp}
+            rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
+            stages["alternating rounds (Gram / error)"] = rounds
+            return stages
+        # alternating: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and (resampled) the
+        # ranking forward pass on the first sample; one solve per round and per refit
         z_yz = 2 * s.in_proj * s.d * s.n_keep + 2 * s.d * s.n_keep  # per token
         zz = 2 * s.n_keep**2
         rank = mlp if self.sketch_resample and Nr < s.N else 0
         rounds = {low: self.am_iters * Nr * (z_yz + rank)}
         rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * Nr * zz + (s.N * (z_yz + zz) if refit else 0)
-        return {"alternating rounds (Gram / error)": rounds,
-                "alternating rounds (solves)": {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d)}}
+        stages["alternating rounds (Gram / error)"] = rounds
+        stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d)}
+        return stages
 
-    def penalty_stage(self, problem: LayerProblem) -> tuple[MLP, torch.Tensor, dict]:
-        """Alg. 1 on the dense MLP: the kept channels and the refitted output projection."""
-        dense = problem.dense
-        keep, W_keep, info = penalty_method(
-            dense.out_augmented(), problem.H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
-            t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
-        )
-        mlp = dense.select(keep)
-        mlp.set_out_augmented(W_keep)
-        return mlp, keep, info
+    def channel_stats(self, mlp: MLP, X: torch.Tensor, H: torch.Tensor, chunk: int) -> ChannelStats:
+        """What the selection's score reads: ``‖Z_j‖`` from the Gram diagonal, or a pass over the tokens for a
+        score that needs channel means (``parts.NEEDS_MEAN``)."""
+        if self.select in NEEDS_MEAN:
+            return ChannelStats.of(mlp, X, chunk)
+        return ChannelStats.norms(torch.diagonal(H)[:mlp.width], X.shape[0])
+
+    def choose(self, problem: LayerProblem) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+        """The selection: the kept channels (sorted), and (an update other than ``none``) the output projection
+        refitted by least squares on them, the penalty method's own last step."""
+        dense, H, n = problem.dense, problem.H, problem.dense.width
+        if self.select == "penalty":
+            return penalty_method(
+                dense.out_augmented(), H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
+                t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
+                scale_free=self.score_scale == "layer")
+        stats = self.channel_stats(dense, problem.X, H, problem.chunk)
+        keep = torch.sort(torch.topk(SCORES[self.select](dense, stats), n - problem.n_remove).indices).values
+        if self.update == "none":
+            return keep, None, {}
+        cols = torch.cat([keep, keep.new_tensor([n])]) if problem.has_bias else keep
+        W0 = dense.out_augmented().to(H.dtype)
+        return keep, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])), {}
 
     def prune(self, problem: LayerProblem) -> PruneResult:
-        mlp, keep, info = self.penalty_stage(problem)
-        if self.am_iters > 0:
-            # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
-            cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
-            H = problem.H[cols][:, cols]
-            YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
-            mlp, errors = alternating_update(
-                mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr,
-                batch_tokens=self.batch_tokens, damp=self.damp, chunk=problem.chunk,
-                seed=problem.seed + problem.layer_index, lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens,
-                low=self.update_precision == "bf16", resample=self.sketch_resample,
-            )
+        keep, W_keep, info = self.choose(problem)
+        mlp = problem.dense.select(keep)
+        if self.update == "none":
+            return PruneResult(mlp=mlp, keep=keep, info=info)
+        mlp.set_out_augmented(W_keep)
+        if self.update in ROUNDS and self.am_iters > 0:
+            rounds = dict(lr=self.lr, batch_tokens=self.batch_tokens, chunk=problem.chunk, lr_scale=self.lr_scale,
+                          seed=problem.seed + problem.layer_index, sketch_tokens=self.sketch_tokens,
+                          low=self.update_precision == "bf16")
+            if self.update == "gd":
+                mlp, errors = gradient_update(mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps,
+                                              **rounds)
+            else:
+                # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
+                cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
+                H = problem.H[cols][:, cols]
+                YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
+                mlp, errors = alternating_update(mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters,
+                                                 adam_steps=self.adam_steps, damp=self.damp,
+                                                 resample=self.sketch_resample, **rounds)
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
+
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, points: int = 16) -> list[tuple[int, float]]:
+        """``(r, e)``: the layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
+        ``points`` evenly spaced ``r`` from 0 to ``n − 1``, on ``error_tokens`` of the dense inputs ``X``. Channels
+        are ranked once by the selection's score on these statistics (the penalty method: its first s-step),
+        and the kept columns are refitted by least squares (one solve per point; update ``none``: the dense
+        weights). The "error" allocation spends the budget where these curves are flattest."""
+        Xs = subsample(X, X, self.error_tokens, seed=0)[0]
+        problem = LayerProblem.of(self, mlp, Xs, 0, chunk=chunk)
+        H, n = problem.H, mlp.width
+        stats = self.channel_stats(mlp, Xs, H, chunk)
+        order = torch.argsort(self.allocation_scores(mlp, stats), descending=True)  # most important first
+        W0 = mlp.out_augmented().to(H.dtype)
+        YZ = W0 @ H  # Y Z̃ᵀ with Y = W0 Z̃
+        YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
+        delta = self.damp * mean_diag(H[:n, :n])
+        curve = []
+        for r in sorted({round(k * (n - 1) / (points - 1)) for k in range(points)}):
+            keep = torch.sort(order[:n - r]).values
+            cols = torch.cat([keep, keep.new_tensor([n])]) if mlp.b_out is not None else keep
+            W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, delta)
+            curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / YY, 0.0)))
+        return curve
 
 
 @register
@@ -403,13 +488,8 @@ class SPAPNoUpdate(SPAP):
 
     name = "spap_no_update"
     ablation_of = "spap"
-    uses_targets = False
-    am_iters: int = hp(0, ge=0)
-
-    def validate(self) -> None:
-        super().validate()
-        if self.am_iters != 0:
-            raise ParameterError("spap_no_update has no update stage: am_iters must be 0 (use method 'spap')")
+    update: str = hp("ls", choices=UPDATES)
+    am_iters: int = hp(0, ge=0)  # no rounds (inert with ``update="ls"``; kept so the preset reads as before)
 
 
 @torch.no_grad()
@@ -449,28 +529,5 @@ class SPAPGD(SPAP):
 
     name = "spap_gd"
     ablation_of = "spap"
-    sketch_resample: bool = False  # no closed form to draw samples for: its rounds are Adam steps on every token
-
-    def validate(self) -> None:
-        super().validate()
-        if self.sketch_resample:
-            raise ParameterError("spap_gd has no closed-form step to resample for: sketch_resample must be False "
-                                 "(its Adam steps draw from every token already)")
-
-    def round_cost(self, s: Shapes, Nr: int, low: str, refit: bool, mlp: float) -> dict[str, dict[str, float]]:
-        """Every round: a forward pass for the error on the rounds' sample (and on every token, once, when
-        the rounds were cheap)."""
-        rounds = {low: self.am_iters * Nr * mlp}
-        rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
-        return {"alternating rounds (Gram / error)": rounds}
-
-    def prune(self, problem: LayerProblem) -> PruneResult:
-        mlp, keep, info = self.penalty_stage(problem)
-        if self.am_iters > 0:
-            mlp, errors = gradient_update(
-                mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps, lr=self.lr,
-                batch_tokens=self.batch_tokens, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
-                lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens, low=self.update_precision == "bf16",
-            )
-            info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
-        return PruneResult(mlp=mlp, keep=keep, info=info)
+    update: str = hp("gd", choices=UPDATES)
+    sketch_resample: bool = False  # inert: no closed form to draw samples for (its Adam steps see every token)
