@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.figures import UPDATES, load_rows
+from spap_lib.figures import UPDATE_LABELS, load_rows
 from spap_lib.io import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def render_sweep(csv: str) -> str:
     """SPAP per model and sparsity, from the ablation grid's rows (one sweep implementation: the grid):
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
     df = load_rows(csv)
-    df = df[df["label"].isin(["dense", *("spap" + u for u in UPDATES)])]
+    df = df[df["label"].isin(["dense", *("spap" + u for u in UPDATE_LABELS)])]
     df = df.assign(calib=[f"{n}×{s}" for n, s in zip(df["nsamples"], df["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
                          for s, w in zip(df["eval_seqlen"], df["eval_windows"])])

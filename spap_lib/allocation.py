@@ -84,6 +84,8 @@ def by_error(curves: list[list[tuple[int, float]]], total: int) -> list[int]:
     optimal: the hull's segments are taken in order of slope, the last one in part."""
     segments = []  # (error per channel removed, layer, r at the segment's start, its length)
     for i, curve in enumerate(curves):
+        if not all(math.isfinite(e) for _, e in curve):
+            raise ValueError(f"layer {i}'s error curve is not finite: {curve}")
         lowest: dict[int, float] = {}
         for r, e in curve:  # one point per r: the lowest error measured there
             lowest[r] = min(e, lowest.get(r, e))

@@ -164,8 +164,8 @@ def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.Data
 # absolute Adam rate (``lr_scale``): rows keep the exact label of the settings they ran with (``exact_labels``).
 ABSOLUTE_LR = "/lr=0.001,lr_scale=absolute"
 PAPER_UPDATE = "sketch_tokens=0,update_precision=full"
-UPDATES = ("", "/lr=0.01", "/" + PAPER_UPDATE, ABSOLUTE_LR + "," + PAPER_UPDATE)
-TABLE5 = ("fasp", "spap_no_update", *(m + u for u in UPDATES for m in ("spap_gd", "spap")))
+UPDATE_LABELS = ("", "/lr=0.01", "/" + PAPER_UPDATE, ABSOLUTE_LR + "," + PAPER_UPDATE)
+TABLE5 = ("fasp", "spap_no_update", *(m + u for u in UPDATE_LABELS for m in ("spap_gd", "spap")))
 
 
 def table5(results_csv: str | Path) -> pd.DataFrame:
@@ -232,7 +232,7 @@ def beside_paper(results_csv: str | Path, paper_csv: str | Path, calib: str, eva
                 & ((ours["calib"] == calib) | (ours["label"] == "dense")) & (ours["label"] == ours["method"])]
     paper = pd.read_csv(paper_csv)
     paper = paper[paper["table"].isin(["table2", "table5"]) & (paper["metric"] == "wikitext2_ppl")]
-    rows = []
+    rows, sparsities = [], sorted({s for s in ours["sparsity"] if s > 0})  # every model's columns, in order
     for model, twin in PAPER_TWINS.items():
         mine = ours[ours["model"] == model]
         theirs = paper[paper["model"] == twin]
@@ -242,7 +242,7 @@ def beside_paper(results_csv: str | Path, paper_csv: str | Path, calib: str, eva
                  "paper": _first(theirs[theirs["method"] == "dense"]["value"])}
         for method in ["dense", *_label_order(set(mine["label"]) & set(method_order()))]:
             row = {"model": model, "paper's model": twin, "method": method}
-            for sparsity in sorted({s for s in mine["sparsity"] if s > 0}):
+            for sparsity in sparsities:
                 for who, part, col in (("ours", mine[mine["label"] == method], "ppl"),
                                        ("paper", theirs[theirs["method"] == method], "value")):
                     ppl = _first(part[part["sparsity"] == (0 if method == "dense" else sparsity)][col])

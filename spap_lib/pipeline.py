@@ -55,12 +55,18 @@ class SparsityPlan:
         return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
 
 
-def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
+def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None,
+                  allocation: str = "uniform") -> SparsityPlan:
     """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
-    the achieved sparsity then moves off the requested one and is reported as measured."""
+    the achieved sparsity then moves off the requested one and is reported as measured. It rounds one
+    width: a non-uniform ``allocation`` (every layer its own width) is refused with it."""
     check_sparsity(sparsity)
     if round_to is not None:
         Spec(int, ge=1).check("round_to (a kept-width multiple such as 8, 64, 128)", round_to)
+        if allocation != "uniform":
+            raise ParameterError(f"round_to={round_to} rounds one width for every layer, and allocation "
+                                 f"{allocation!r} gives each layer its own: use allocation 'uniform' with "
+                                 "round_to, or no round_to")
     layers = adapter.layers()
     widths = {adapter.width(layer) for layer in layers}
     if len(widths) != 1:
@@ -107,7 +113,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
             check_finite(X, f"layer {i}: the MLP inputs")
             s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
             if curve is not None:
-                s.curve = curve(adapter.get_mlp(layer), X, chunk)
+                s.curve = curve(adapter.get_mlp(layer), X, chunk, s)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out

@@ -267,7 +267,9 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         mm32 = rates.get("matmul_tf32", mm32)
     layer_params = c["decoder"] / L
     forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
-    passes = 2 if algo.propagates else 1
+    # a propagating prune replays every layer twice (dense inputs, pruned outputs); a non-uniform allocation
+    # first makes one dense pass for its statistics
+    passes = (2 if algo.propagates else 1) + (algo.allocation != "uniform" and algo.propagates)
     seconds = {"calibration forward passes": L * passes * forward / mm}
     rate = {"fp32": mm32, "bf16": rates["matmul_bf16"], "solve": chol}
     for stage, flops in algo.cost(shapes).items():

@@ -159,15 +159,26 @@ class LayerCheckpoint:
             self.folder.rmdir()
 
 
+def code_modules(method_cls) -> list:
+    """The source that decides a layer's result: the modules of the method's class and of every class it
+    derives from (a preset's parent holds its algorithm), the parts, the channel statistics, the
+    allocations, the numerics and the pipeline."""
+    import inspect
+
+    from . import allocation, linalg, pipeline, stats
+    from .methods import parts
+
+    own = [inspect.getmodule(c) for c in method_cls.__mro__ if c.__module__.startswith("spap_lib.")]
+    return list(dict.fromkeys([*own, parts, stats, allocation, linalg, pipeline]))
+
+
 def code_hash(method_cls) -> str:
-    """A short hash of the source that decides a layer's result: the method's module, the numerics and
-    the pipeline (layers pruned by other code are not reused; edits elsewhere do not invalidate)."""
+    """A short hash of ``code_modules``: layers pruned by other code are not reused; edits elsewhere do
+    not invalidate."""
     import hashlib
     import inspect
 
-    from . import linalg, pipeline
-
     digest = hashlib.sha256()
-    for module in (inspect.getmodule(method_cls), linalg, pipeline):
+    for module in code_modules(method_cls):
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:16]

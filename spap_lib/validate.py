@@ -45,7 +45,7 @@ class RunCheck:
                  f"context {self.context or 'unknown'} tokens"]
         uniform = self.method is None or self.method.allocation == "uniform"
         if self.method is not None:
-            lines.append(f"method {self.method.name}: {self.method.hparams()}")
+            lines.append(f"method {self.method.name}: {self.method.effective_hparams()}")  # the settings that act
             if self.method.parts():
                 lines.append("parts: " + ", ".join(f"{k} {v}" for k, v in self.method.parts().items()))
         if self.plan is not None:
@@ -132,7 +132,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                                      f"not {offload!r}")
             offload = "none"
         else:
-            check.plan = plan_sparsity(adapter, sparsity, round_to)
+            check.plan = plan_sparsity(adapter, sparsity, round_to, algo.allocation if algo else "uniform")
             if resume_dir is not None and algo is not None:
                 resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
                                                  "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,

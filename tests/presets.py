@@ -1,8 +1,8 @@
 """Every MLP-channel method's prune of the tiny models, summarised: the reference its preset must reproduce.
 
-The methods are presets of one composition (``spap_lib.methods.parts``); ``tests/data/presets.json`` holds
-what each method kept and its weights' sums when it had its own implementation. Rewrite it only for a
-change that means to alter a method's result:
+The methods are presets of one composition (``spap_lib.methods.parts``); ``tests/data/presets.json`` pins
+what each one keeps and its weights' sums. Rewrite it only for a change that means to alter a method's
+result:
 
     python tests/presets.py tests/data/presets.json
 """

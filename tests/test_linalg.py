@@ -289,8 +289,7 @@ def test_resampling_is_inert_for_gradient_descent():
     the settings that decide a result (a grid row of either value is the same run)."""
     import spap_lib as sl
 
-    assert sl.get_method("spap").sketch_resample and not sl.get_method("spap_gd").sketch_resample
-    for method, hparams in (("spap_gd", {"sketch_resample": True}), ("spap", {"update": "gd"})):
+    for method, hparams in (("spap_gd", {"sketch_resample": False}), ("spap", {"update": "gd"})):
         assert "sketch_resample" not in sl.get_method(method, **hparams).effective_hparams()
     assert sl.get_method("spap_gd", sketch_resample=True).effective_hparams() == \
         sl.get_method("spap", update="gd", sketch_resample=False).effective_hparams()

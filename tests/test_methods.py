@@ -56,8 +56,8 @@ def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_t
 
 def test_presets_reproduce_their_methods():
     """Every method is a preset of the parts (``methods.parts``): each keeps the channels, and ends with the
-    weights, that its own implementation gave (tests/data/presets.json, written before the methods were
-    presets; ``python tests/presets.py`` says how to rewrite it for a change meant to alter a result)."""
+    weights, pinned in tests/data/presets.json (``python tests/presets.py`` says how to rewrite it for a
+    change meant to alter a result)."""
     from presets import ARCHS, CASES, snapshot
 
     reference = json.loads((Path(__file__).parent / "data" / "presets.json").read_text())
@@ -86,6 +86,8 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
         assert sum(counts) == total and all(0 <= c <= 49 for c in counts)
     with pytest.raises(ValueError, match="cannot remove"):
         allocation.by_error(curves, 4 * 49 + 1)
+    with pytest.raises(ValueError, match="layer 1's error curve is not finite"):
+        allocation.by_error([curves[0], [(0, 0.0), (49, float("nan"))]], 10)
     model = tiny_model("llama")
     with torch.no_grad():
         model.model.layers[1].mlp.up_proj.weight[:32] = 0  # 32 of 64 channels output nothing
@@ -95,6 +97,8 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
     assert removed[1] >= 32 and removed[1] > max(removed[0], removed[2])
+    with pytest.raises(sl.ParameterError, match="round_to=8 rounds one width for every layer"):
+        sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error"}, round_to=8, progress=False)
 
 
 def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):

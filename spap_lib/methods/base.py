@@ -186,8 +186,9 @@ class Method:
         """Why a part that this method does not take as a hyperparameter cannot be set (``get_method``)."""
         return "its parts are fixed"
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int) -> list[tuple[int, float]]:
-        """``(channels removed, relative error)`` of one dense layer, for ``allocation="error"``."""
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats) -> list[tuple[int, float]]:
+        """``(channels removed, relative error)`` of one dense layer (its inputs ``X``, its ``ChannelStats``),
+        for ``allocation="error"``."""
         raise NotImplementedError
 
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:

@@ -101,6 +101,7 @@ class FLAP(ScoreMethod):
     allocations = ("uniform", "global")
     allocation: str = "global"
     bias: bool = True
+    selection = "fluctuation"
 
     def prepare(self, adapter: Adapter) -> None:
         if not self.bias or adapter.has_out_bias():
@@ -114,10 +115,12 @@ class FLAP(ScoreMethod):
             )
         adapter.enable_out_bias()
 
-    selection = "fluctuation"
-
     def parts(self) -> dict[str, str]:
         return {**super().parts(), "update": "bias" if self.bias else "none"}  # the removed channels' mean
+
+    @classmethod
+    def fixed_parts(cls) -> str:
+        return super().fixed_parts() + "; its own update, the bias compensation, is turned off by bias=false"
 
     def finish(self, mlp, keep, stats):
         out = mlp.select(keep)

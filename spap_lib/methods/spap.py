@@ -15,6 +15,9 @@ matrix, ``s ∈ {0,1}ⁿ`` marking the ``λ`` channels to *remove*:
    output projection ``W``. Each round: Adam steps on the former with ``W`` fixed, then the closed
    form ``W = Y Zᵀ(Z Zᵀ + δI)⁻¹`` on the new ``Z``; the best round is kept.
 
+``select``, ``allocation`` and ``update`` (``methods.parts``) compose other channel choices, per-layer widths and
+updates with these two stages; the defaults are the paper's.
+
 Everything works from Gram matrices; a bias on the output projection (OPT fc2) is one more column
 of W against a constant row of ones in Z (``Z̃``), never penalised and never pruned.
 
@@ -38,8 +41,6 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
   compares them with ``Top_{n−λ}`` of the previous iteration's scores (``threshold="previous"``).
 * ``score_scale="layer"`` (an option; the default is the paper's score) divides each of the s-step score's two
   terms by its mean over the layer's columns (``parts.column_scores``).
-* ``select``, ``allocation`` and ``update`` compose other channel choices, per-layer widths and updates with
-  the method's parts (``methods.parts``); the defaults are the paper's.
 * ``precision="auto"``: float32 Gram sums and Jacobi-scaled float32 solves (``linalg``), with TF32
   products on CUDA: the fit of a 24 GB GPU, and 1.6x faster solves than float64 on a CPU.
 * Cheap rounds. The paper recomputes ``Z Zᵀ`` and ``Y Zᵀ`` over all N tokens in every round, which was
@@ -61,7 +62,19 @@ import torch
 
 from ..adapters import MLP
 from ..checks import hp
-from ..linalg import PRECISION_CHOICES, gram, lstsq_columns, mean_diag, products, ridge, sq_norm
+from ..linalg import (
+    PRECISION_CHOICES,
+    PRECISIONS,
+    check_finite,
+    gram,
+    lstsq_columns,
+    matmul_precision,
+    mean_diag,
+    products,
+    resolve_precision,
+    ridge,
+    sq_norm,
+)
 from ..stats import ChannelStats
 from .base import LayerProblem, Method, PruneResult, Shapes, register, solve_flops
 from .parts import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
@@ -130,7 +143,7 @@ def penalty_method(
     keep_mask = torch.ones(n, dtype=torch.bool, device=H.device)
     keep_mask[order[:lam]] = False
     keep = torch.nonzero(keep_mask).flatten()
-    cols = torch.cat([keep, keep.new_tensor([n])]) if bias else keep
+    cols = with_bias(keep, n, bias)
     W_keep = lstsq_columns(YZ, H, cols, delta)
     removed_first = torch.zeros(n, dtype=torch.bool, device=H.device)
     if first is not None:
@@ -138,6 +151,11 @@ def penalty_method(
     info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0,
             "moved": int((~keep_mask & ~removed_first).sum())}
     return keep, W_keep, info
+
+
+def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
+    """The columns of ``W̃ = [W, b]`` that the kept channels ``keep`` use: the bias column ``n`` too, if any."""
+    return torch.cat([keep, keep.new_tensor([n])]) if bias else keep
 
 
 def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
@@ -360,8 +378,11 @@ class SPAP(Method):
     def effective_hparams(self) -> dict:
         """The settings of parts not chosen are inert: the penalty method's without it, the rounds' without
         rounds (``update`` none/ls or ``am_iters=0``), resampling without a token sample or without a
-        closed form to resample for (``gd``), the error curve's without the error allocation."""
+        closed form to resample for (``gd``), the error curve's without the error allocation, the damping
+        when nothing is solved for."""
         inert = set() if self.select == "penalty" else set(PENALTY_HPARAMS)
+        if self.select != "penalty" and self.update == "none":
+            inert.add("damp")  # nothing is solved for
         if self.update not in ROUNDS:
             inert |= {"am_iters", *ROUND_HPARAMS}
         elif self.am_iters == 0:
@@ -378,13 +399,17 @@ class SPAP(Method):
         each round's pass over its token sample and its solve, and the final refit on every token when the
         rounds were cheap (a sample or bf16)."""
         stages = super().cost(s)
-        refit = stages.pop("refit solve")
+        one_refit = stages.pop("refit solve")
         if self.select == "penalty":
             stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d)}
         elif self.update != "none":
-            stages["refit solve"] = refit
+            stages["refit solve"] = one_refit
         if self.select in NEEDS_MEAN:
             stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n}
+        if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
+            Ne = min(self.error_tokens, s.N)
+            stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + 2 * Ne * s.n**2,
+                                      "solve": sum(solve_flops(s.n - r + 1, s.d) for r in curve_points(s.n))}
         if self.update not in ROUNDS or not self.am_iters:
             return stages
         low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
@@ -428,8 +453,8 @@ class SPAP(Method):
         keep = torch.sort(torch.topk(SCORES[self.select](dense, stats), n - problem.n_remove).indices).values
         if self.update == "none":
             return keep, None, {}
-        cols = torch.cat([keep, keep.new_tensor([n])]) if problem.has_bias else keep
         W0 = dense.out_augmented().to(H.dtype)
+        cols = with_bias(keep, n, problem.has_bias)
         return keep, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])), {}
 
     def prune(self, problem: LayerProblem) -> PruneResult:
@@ -439,45 +464,50 @@ class SPAP(Method):
             return PruneResult(mlp=mlp, keep=keep, info=info)
         mlp.set_out_augmented(W_keep)
         if self.update in ROUNDS and self.am_iters > 0:
-            rounds = dict(lr=self.lr, batch_tokens=self.batch_tokens, chunk=problem.chunk, lr_scale=self.lr_scale,
-                          seed=problem.seed + problem.layer_index, sketch_tokens=self.sketch_tokens,
-                          low=self.update_precision == "bf16")
+            adam = dict(lr=self.lr, batch_tokens=self.batch_tokens, chunk=problem.chunk, lr_scale=self.lr_scale,
+                        seed=problem.seed + problem.layer_index, sketch_tokens=self.sketch_tokens,
+                        low=self.update_precision == "bf16")
             if self.update == "gd":
                 mlp, errors = gradient_update(mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps,
-                                              **rounds)
+                                              **adam)
             else:
                 # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
-                cols = torch.cat([keep, keep.new_tensor([problem.dense.width])]) if problem.has_bias else keep
+                cols = with_bias(keep, problem.dense.width, problem.has_bias)
                 H = problem.H[cols][:, cols]
                 YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
                 mlp, errors = alternating_update(mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters,
                                                  adam_steps=self.adam_steps, damp=self.damp,
-                                                 resample=self.sketch_resample, **rounds)
+                                                 resample=self.sketch_resample, **adam)
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, points: int = 16) -> list[tuple[int, float]]:
-        """``(r, e)``: the layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
-        ``points`` evenly spaced ``r`` from 0 to ``n − 1``, on ``error_tokens`` of the dense inputs ``X``. Channels
-        are ranked once by the selection's score on these statistics (the penalty method: its first s-step),
-        and the kept columns are refitted by least squares (one solve per point; update ``none``: the dense
-        weights). The "error" allocation spends the budget where these curves are flattest."""
-        Xs = subsample(X, X, self.error_tokens, seed=0)[0]
-        problem = LayerProblem.of(self, mlp, Xs, 0, chunk=chunk)
-        H, n = problem.H, mlp.width
-        stats = self.channel_stats(mlp, Xs, H, chunk)
-        order = torch.argsort(self.allocation_scores(mlp, stats), descending=True)  # most important first
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats) -> list[tuple[int, float]]:
+        """``(r, e)``: the dense layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
+        ``curve_points(n)``, on ``error_tokens`` of its inputs ``X``. Channels are ranked once by the selection's
+        score on the layer's dense statistics ``stats`` (``allocation_scores``; the penalty method: its first
+        s-step), and the kept columns are refitted by least squares (one solve per point; update ``none``: the
+        dense weights). The "error" allocation spends the budget where these curves are flattest."""
+        precision = resolve_precision(self.precision, X.device)
+        with matmul_precision(precision):
+            H = gram(mlp, subsample(X, X, self.error_tokens, seed=0)[0], chunk, dtype=PRECISIONS[precision])
+        check_finite(H, "the error curve's Gram matrix entries")
+        n, bias = mlp.width, mlp.b_out is not None
+        order = torch.argsort(self.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
         W0 = mlp.out_augmented().to(H.dtype)
         YZ = W0 @ H  # Y Z̃ᵀ with Y = W0 Z̃
         YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
         delta = self.damp * mean_diag(H[:n, :n])
         curve = []
-        for r in sorted({round(k * (n - 1) / (points - 1)) for k in range(points)}):
-            keep = torch.sort(order[:n - r]).values
-            cols = torch.cat([keep, keep.new_tensor([n])]) if mlp.b_out is not None else keep
+        for r in curve_points(n):
+            cols = with_bias(torch.sort(order[:n - r]).values, n, bias)
             W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, delta)
             curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / YY, 0.0)))
         return curve
+
+
+def curve_points(n: int, points: int = 16) -> list[int]:
+    """Where an error curve is measured: ``points`` evenly spaced numbers of removed channels, 0 to ``n − 1``."""
+    return sorted({round(k * (n - 1) / (points - 1)) for k in range(points)})
 
 
 @register
@@ -489,7 +519,6 @@ class SPAPNoUpdate(SPAP):
     name = "spap_no_update"
     ablation_of = "spap"
     update: str = hp("ls", choices=UPDATES)
-    am_iters: int = hp(0, ge=0)  # no rounds (inert with ``update="ls"``; kept so the preset reads as before)
 
 
 @torch.no_grad()
@@ -530,4 +559,3 @@ class SPAPGD(SPAP):
     name = "spap_gd"
     ablation_of = "spap"
     update: str = hp("gd", choices=UPDATES)
-    sketch_resample: bool = False  # inert: no closed form to draw samples for (its Adam steps see every token)
