@@ -114,6 +114,7 @@ class Grid:
         layers = loaded.adapter.layers()
         self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
         self._stats = None
+        self._curves: dict[str, list] = {}  # per variant: dense statistics with its error curves
         self._eval_ids = None
 
     @property
@@ -135,7 +136,14 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
+        if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
+            if variant.label not in self._curves:
+                self._curves[variant.label] = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
+                                                          chunk=self.chunk, progress=self.progress,
+                                                          curve=algo.error_curve)
+            stats = self._curves[variant.label]
+        else:
+            stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)

@@ -172,7 +172,7 @@ def prune_model(
             inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
     uniform = method.allocation == "uniform"
     curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
-    if (stats is None or curve is not None) and needs_dense_stats(method, propagate):
+    if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
                             curve=curve)
     removals = [plan.n_remove] * len(layers) if uniform else \

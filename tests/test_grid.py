@@ -49,6 +49,19 @@ def test_grid_shares_dense_statistics_and_resumes(tiny_tokenizer, windows, tmp_p
     assert len(redo) == len(table) and len(pd.read_csv(csv)) == len(table)
 
 
+def test_a_grid_measures_an_error_allocations_curves_once_per_variant(tiny_tokenizer, windows, tmp_path, monkeypatch):
+    """The error curves do not depend on the sparsity: one curve pass per variant serves all its cells."""
+    curves = []
+    real = grid_mod.dense_stats
+    monkeypatch.setattr(grid_mod, "dense_stats", lambda *a, **k: curves.append(k.get("curve")) or real(*a, **k))
+    g = _grid("llama", tiny_tokenizer, windows)
+    variants = [Variant.parse(v) for v in ["fasp/allocation=error", "fasp/allocation=error,update=none"]]
+    table = run_grid(g, variants, [0.2, 0.4], [16], 2, tmp_path / "t.csv")
+    assert len(curves) == 2 and all(c is not None for c in curves)
+    pruned = table[table["label"] != "dense"]
+    assert len(pruned) == 4 and (pruned["uniform_width"] == False).any()  # noqa: E712 (a pandas column)
+
+
 def test_grid_skips_unsupported_cells_with_a_reason(tiny_tokenizer, windows, tmp_path, capsys):
     g = _grid("gemma3", tiny_tokenizer, windows)
     table = run_grid(g, [Variant.parse("flap"), Variant.parse("flap/bias=false")], [0.2], [16], 2, tmp_path / "t.csv")
