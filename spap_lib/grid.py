@@ -210,8 +210,9 @@ def before(method: str) -> dict:
     default (such options were added with the earlier behaviour as their default)."""
     if method == "dense":
         return {}
-    defaults = get_method(method).hparams()
-    return {k: defaults[k] for k in get_method(method).introduced if k in defaults}
+    algo = get_method(method)
+    defaults = algo.hparams()
+    return {k: defaults[k] for k in algo.introduced if k in defaults}
 
 
 def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool:

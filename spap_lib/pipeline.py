@@ -111,9 +111,10 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
             out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
                             watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations)
             check_finite(X, f"layer {i}: the MLP inputs")
-            s = ChannelStats.of(adapter.get_mlp(layer), X, chunk)
+            mlp = adapter.get_mlp(layer)
+            s = ChannelStats.of(mlp, X, chunk)
             if curve is not None:
-                s.curve = curve(adapter.get_mlp(layer), X, chunk, s)
+                s.curve = curve(mlp, X, chunk, s)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out

@@ -38,6 +38,11 @@ class Shapes:
     tied: bool
 
 
+def highest(score: torch.Tensor, n_keep: int) -> torch.Tensor:
+    """The indices of the ``n_keep`` highest scores, sorted: the channels a score keeps."""
+    return torch.sort(torch.topk(score, n_keep).indices).values
+
+
 def solve_flops(m: int, d: int) -> float:
     """One Cholesky factorisation of an ``m × m`` Gram matrix and its solve for ``d`` right-hand sides."""
     return m**3 / 3 + 2 * m**2 * d
@@ -110,7 +115,7 @@ class LayerProblem:
     def keep_dense(self, info: dict | None = None) -> "PruneResult":
         """The ``nothing_to_fit`` answer: keep the channels with the largest output columns, weights as they are."""
         score = self.dense.W_out.double().norm(dim=0)
-        keep = torch.sort(torch.topk(score, self.dense.width - self.n_remove).indices).values
+        keep = highest(score, self.dense.width - self.n_remove)
         return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 

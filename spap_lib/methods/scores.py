@@ -16,7 +16,7 @@ import torch
 from ..adapters import MLP, Adapter
 from ..checks import hp
 from ..stats import ChannelStats
-from .base import LayerProblem, Method, PruneResult, Unsupported, register
+from .base import LayerProblem, Method, PruneResult, Unsupported, highest, register
 from .parts import SCORES
 
 
@@ -54,7 +54,7 @@ class ScoreMethod(Method):
 
     def select(self, mlp: MLP, stats: ChannelStats, n_remove: int, score: torch.Tensor | None = None) -> PruneResult:
         score = self.score(mlp, stats) if score is None else score
-        keep = torch.sort(torch.topk(score, mlp.width - n_remove).indices).values
+        keep = highest(score, mlp.width - n_remove)
         return PruneResult(self.finish(mlp, keep, stats), keep, {})
 
     def prune(self, problem: LayerProblem) -> PruneResult:

@@ -76,7 +76,7 @@ from ..linalg import (
     sq_norm,
 )
 from ..stats import ChannelStats
-from .base import LayerProblem, Method, PruneResult, Shapes, register, solve_flops
+from .base import LayerProblem, Method, PruneResult, Shapes, highest, register, solve_flops
 from .parts import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
 
 
@@ -450,7 +450,7 @@ class SPAP(Method):
                 t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
                 scale_free=self.score_scale == "layer")
         stats = self.channel_stats(dense, problem.X, H, problem.chunk)
-        keep = torch.sort(torch.topk(SCORES[self.select](dense, stats), n - problem.n_remove).indices).values
+        keep = highest(SCORES[self.select](dense, stats), n - problem.n_remove)
         if self.update == "none":
             return keep, None, {}
         W0 = dense.out_augmented().to(H.dtype)
