@@ -9,7 +9,8 @@ removes exactly the same number of parameters; only its spread over layers diffe
   less (smaller angular distance) keep fewer channels;
 * ``error``: each layer's measured relative reconstruction error at a few widths (``SPAP.error_curve``),
   and the removals that minimise their sum.
-Every layer keeps at least one channel.
+Every layer keeps at least one channel. ``rounded`` then makes every kept width a multiple of ``round_to``
+(GEMM-friendly shapes) without changing the total.
 """
 from __future__ import annotations
 
@@ -33,6 +34,27 @@ def _largest_remainder(quota: list[float], total: int, cap: list[int]) -> list[i
         if not progressed:
             raise ValueError(f"cannot place {total} removals under the caps {cap}")
     return counts
+
+
+def rounded(counts: list[int], width: int, round_to: int) -> list[int]:
+    """Per-layer removal counts whose kept widths ``width − count`` are multiples of ``round_to``, at least one
+    multiple and at most the largest one ``≤ width``, with the same total. Each layer's kept width, in units
+    of ``round_to``, is rounded to the nearest unit in range; then the layers furthest off move one unit at a
+    time until the total is met. The total kept must itself be a multiple (the plan rounds the mean width)."""
+    target = [(width - c) / round_to for c in counts]
+    units, most = round(sum(target)), width // round_to
+    if sum(width - c for c in counts) % round_to or not len(counts) <= units <= most * len(counts):
+        raise ValueError(f"{sum(width - c for c in counts)} kept channels over {len(counts)} layers of width {width} "
+                         f"cannot be split into multiples of {round_to} (between {round_to} and "
+                         f"{most * round_to} per layer)")
+    got = [min(max(round(t), 1), most) for t in target]
+    while sum(got) > units:  # the one most above its target gives a unit back
+        i = max((i for i in range(len(got)) if got[i] > 1), key=lambda i: got[i] - target[i])
+        got[i] -= 1
+    while sum(got) < units:  # the one most below its target takes a unit
+        i = min((i for i in range(len(got)) if got[i] < most), key=lambda i: got[i] - target[i])
+        got[i] += 1
+    return [width - u * round_to for u in got]
 
 
 def global_standardized(scores: list[torch.Tensor], total: int) -> list[int]:

@@ -51,7 +51,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
             raise ParameterError(f"method {method!r} does not take {', '.join(given)} (it prunes the whole model at "
                                  f"once; its kept dimension's multiple is its own hyperparameter round_to)")
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
-    plan = plan_sparsity(loaded.adapter, sparsity, round_to, algo.allocation)
+    plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
     if work and algo.fits and calib.windows.numel() < plan.width:
         warnings.warn(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from . import allocation as alloc
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec, check_sparsity
@@ -40,6 +41,7 @@ class SparsityPlan:
     width: int
     params_per_channel: int
     n_remove: int
+    round_to: int | None = None  # every kept width a multiple of it, a non-uniform allocation's too
 
     @property
     def mlp_share(self) -> float:
@@ -55,18 +57,14 @@ class SparsityPlan:
         return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
 
 
-def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None,
-                  allocation: str = "uniform") -> SparsityPlan:
+def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
     """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
-    the achieved sparsity then moves off the requested one and is reported as measured. It rounds one
-    width: a non-uniform ``allocation`` (every layer its own width) is refused with it."""
+    the achieved sparsity then moves off the requested one and is reported as measured. A non-uniform
+    ``allocation`` spreads the same total over the layers, each kept width again a multiple
+    (``allocation.rounded``)."""
     check_sparsity(sparsity)
     if round_to is not None:
         Spec(int, ge=1).check("round_to (a kept-width multiple such as 8, 64, 128)", round_to)
-        if allocation != "uniform":
-            raise ParameterError(f"round_to={round_to} rounds one width for every layer, and allocation "
-                                 f"{allocation!r} gives each layer its own: use allocation 'uniform' with "
-                                 "round_to, or no round_to")
     layers = adapter.layers()
     widths = {adapter.width(layer) for layer in layers}
     if len(widths) != 1:
@@ -78,7 +76,7 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     if round_to is not None:
         keep = max(round_to, round((width - n_remove) / round_to) * round_to)
         n_remove = max(0, width - keep)
-    plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove)
+    plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove, round_to)
     if sparsity > 0 and n_remove == 0:  # a run at full cost that changes nothing is refused, not reported after
         one = plan.params_per_channel * plan.layers / decoder
         why = (f"with round_to={round_to} the kept width rounds back to all {width}" if round_to is not None else
@@ -179,6 +177,8 @@ def prune_model(
     removals = [plan.n_remove] * len(layers) if uniform else \
         method.removals(stats, plan.width, plan.n_remove * len(layers),
                         _allocation_scores(adapter, method, onloader, stats))
+    if plan.round_to is not None and not uniform:
+        removals = alloc.rounded(removals, plan.width, plan.round_to)
     resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
     if method.scores_dense and not propagate:
         per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)

@@ -132,7 +132,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                                      f"not {offload!r}")
             offload = "none"
         else:
-            check.plan = plan_sparsity(adapter, sparsity, round_to, algo.allocation if algo else "uniform")
+            check.plan = plan_sparsity(adapter, sparsity, round_to)
             if resume_dir is not None and algo is not None:
                 resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
                                                  "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,

@@ -97,8 +97,17 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
     assert removed[1] >= 32 and removed[1] > max(removed[0], removed[2])
-    with pytest.raises(sl.ParameterError, match="round_to=8 rounds one width for every layer"):
-        sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error"}, round_to=8, progress=False)
+    # round_to: every layer's kept width a multiple, the same total, the dead channels still taken first
+    fresh = tiny_model("llama")
+    with torch.no_grad():
+        fresh.model.layers[1].mlp.up_proj.weight[:32] = 0
+    loaded = Loaded(fresh, None, sl.get_adapter(fresh), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    plan = sl.plan_sparsity(loaded.adapter, 0.3, round_to=8)
+    report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error"}, round_to=8,
+                      progress=False)
+    kept = [64 - layer["removed"] for layer in report["layers"]]
+    assert sum(kept) == 3 * (64 - plan.n_remove) and all(k % 8 == 0 and k >= 8 for k in kept)
+    assert kept[1] <= 32 and kept[1] <= min(kept[0], kept[2])  # at 8-channel steps a tie can remain
 
 
 def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):
@@ -258,6 +267,18 @@ def test_allocations_spend_exactly_the_budget():
     assert sum(counts) == 120 and all(0 <= c <= 49 for c in counts)
     assert counts == sorted(counts, reverse=True)  # the block that changes the state least loses most
     assert allocation.angular([1.0] * 6, 50, 120) == [20] * 6  # equal importance: uniform
+
+
+def test_rounded_widths_are_multiples_with_the_same_total_and_never_empty():
+    for step in (2, 8, 16):
+        counts = [0, 13, 49, 30, 7, 21]  # removals from width 50, one layer down to a single channel
+        counts[0] += sum(50 - c for c in counts) % step  # the plan makes the total kept a multiple
+        got = allocation.rounded(counts, 50, step)
+        assert sum(got) == sum(counts) and all((50 - g) % step == 0 and step <= 50 - g <= 50 for g in got)
+        assert got[2] == 50 - step  # the single channel rounds up to one multiple, never down to none
+    assert allocation.rounded([0, 13, 49, 30], 64, 1) == [0, 13, 49, 30]  # a multiple of 1: unchanged
+    with pytest.raises(ValueError, match="cannot be split into multiples of 8"):
+        allocation.rounded([0, 13, 49, 30], 64, 8)  # 164 kept: not a multiple of 8
 
 
 def test_score_method_paths_agree(arch, windows):
