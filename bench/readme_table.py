@@ -87,9 +87,9 @@ def render_zeroshot(csv: str) -> str:
 
 
 def render_profile(csv: str) -> str:
-    cols = ["variant", "sparsity", "round_to", "device", "threads", "new_tokens", "runs", "seconds_median",
-            "seconds_min",
-            "seconds_max", "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
+    cols = ["variant", "sparsity", "round_to", "device", "threads", "decode", "new_tokens", "runs", "seconds_median",
+            "seconds_min", "seconds_max", "prefill_ms", "decode_ms_per_token", "tokens_per_s", "bandwidth_gb_s",
+            "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
     df = pd.read_csv(csv)
     return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)
 

@@ -16,6 +16,7 @@ import gc
 import multiprocessing as mp
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -101,38 +102,129 @@ def bytes_bound(dense_read: int, pruned_read: int) -> float:
     return dense_read / pruned_read
 
 
+DECODE_PATHS = ("eager", "static", "compiled")
+
+
+def decode_path(device: torch.device, requested: str = "auto") -> tuple[str, str]:
+    """The decode path to time on ``device`` and why: ``eager`` (a dynamic KV cache, as ``generate`` by default),
+    ``static`` (a preallocated KV cache) or ``compiled`` (the static cache and a ``torch.compile``d decode step)."""
+    if requested != "auto":
+        if requested not in DECODE_PATHS:
+            raise ParameterError(f"decode {requested!r} is not a decode path: use 'auto' or one of {DECODE_PATHS}")
+        return requested, "asked for"
+    if device.type == "cuda":
+        return "compiled", ("CUDA: a static KV cache and a compiled decode step (CUDA graphs), as gpt-fast measures; "
+                            "an eager small-batch step times kernel launches, not the model's bytes")
+    return "eager", "CPU: the eager path with a dynamic cache (transformers compiles decode steps on accelerators only)"
+
+
+class _Clock:
+    """Marks on the device's own timeline: CUDA events on a GPU (no sync inside the timed loop), else the wall."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
 @torch.no_grad()
-def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, warmup: int) -> dict:
-    """Greedy generation of exactly ``new_tokens`` tokens; median and spread over ``repeats`` runs."""
+def greedy_tokens(model, prompt: torch.Tensor, new_tokens: int, *, cache=None, step=None,
+                  clock: _Clock | None = None) -> torch.Tensor:
+    """``new_tokens`` greedy tokens after ``prompt``: one prefill call, then one ``step`` (default the model) per
+    token, written into ``cache`` (default a fresh dynamic cache). ``clock`` is marked before the prefill, after
+    it and after the last step, so prefill and decode are timed apart."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    step = step or model
+    n = prompt.shape[1]
+    positions = torch.arange(n + new_tokens, device=prompt.device)
+    if clock:
+        clock.mark()
+    logits = model(input_ids=prompt, past_key_values=cache, cache_position=positions[:n], use_cache=True,
+                   logits_to_keep=1).logits
+    token = logits[:, -1:].argmax(-1)
+    if clock:
+        clock.mark()
+    out = [token]
+    for i in range(n, n + new_tokens - 1):
+        # a compiled step with CUDA graphs reuses its output buffer: argmax copies the token out of it
+        token = step(input_ids=token, past_key_values=cache, cache_position=positions[i:i + 1], use_cache=True).logits
+        token = token[:, -1:].argmax(-1)
+        out.append(token)
+    if clock:
+        clock.mark()
+    return torch.cat(out, dim=1)
+
+
+def _compiled_step(model, device: torch.device):
+    """The model's forward compiled whole for one-token steps: CUDA graphs on a GPU ("reduce-overhead"); the
+    static cache keeps every step's shapes and addresses fixed, so it compiles once."""
+    return torch.compile(model.forward, mode="reduce-overhead" if device.type == "cuda" else "default",
+                         fullgraph=True, dynamic=False)
+
+
+@torch.no_grad()
+def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, warmup: int,
+                    decode: str = "auto") -> dict:
+    """Greedy generation of exactly ``new_tokens`` tokens, ``repeats`` timed runs after ``warmup`` untimed ones
+    (a compiled path warms up at least twice: compile, then record the graph): per run the prefill and the
+    decode seconds, the path timed with its reason, and the last run's tokens. A decode step that fails to compile is timed on the
+    eager path instead, with a warning naming why."""
+    from transformers import StaticCache
+
     device = prompt.device
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                  pad_token_id=0)
-    for _ in range(warmup):
-        model.generate(prompt, **kwargs)
-    times = []
+    path, reason = decode_path(device, decode)
+    cache = StaticCache(config=model.config, max_cache_len=prompt.shape[1] + new_tokens) if path != "eager" else None
+    step = _compiled_step(model, device) if path == "compiled" else None
+
+    def run(clock=None):
+        if cache is not None:
+            cache.reset()
+        return greedy_tokens(model, prompt, new_tokens, cache=cache, step=step, clock=clock)
+
+    for k in range(max(warmup, 2 if path == "compiled" else 0)):
+        try:
+            run()
+        except Exception as err:  # noqa: BLE001 -- any compile failure: time what runs, say why
+            if path != "compiled" or k:
+                raise
+            why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            warnings.warn(f"compiling the decode step failed ({why}); timing the eager path instead", stacklevel=3)
+            path, reason, cache, step = "eager", f"compile failed ({why})", None, None
+            run()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model.generate(prompt, **kwargs)
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        peak = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         reset_peak_rss()  # weights are resident after warm-up; the peak adds activations and KV cache
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            model.generate(prompt, **kwargs)
-            times.append(time.perf_counter() - t0)
-        peak = peak_rss_mb()
-    return {"seconds_median": statistics.median(times), "seconds_min": min(times), "seconds_max": max(times),
-            "seconds_all": times, "peak_mem_mb": peak}
+    prefill, decode_s = [], []
+    for _ in range(repeats):
+        clock = _Clock(device)
+        tokens = run(clock)
+        first, rest = clock.spans()
+        prefill.append(first)
+        decode_s.append(rest)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else peak_rss_mb()
+    return {"seconds_all": [a + b for a, b in zip(prefill, decode_s)], "prefill_all": prefill, "decode_all": decode_s,
+            "peak_mem_mb": peak, "decode": path, "decode_reason": reason, "tokens": tokens[0].tolist()}
 
 
 def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int,
-           threads: int | None):
+           threads: int | None, decode: str):
     try:
         from .models import load
 
@@ -150,27 +242,34 @@ def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens
         gen = torch.Generator().manual_seed(0)
         vocab = loaded.model.get_input_embeddings().weight.shape[0]
         prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(loaded.device)
-        result = time_generation(loaded.model, prompt, new_tokens, repeats, warmup)
-        queue.put({**result, "weights_read": weights_read_per_token(loaded.model),
+        result = time_generation(loaded.model, prompt, new_tokens, repeats, warmup, decode)
+        read = weights_read_per_token(loaded.model)
+        queue.put({**result, "weights_read": read, "bytes_read": read * loaded.model.dtype.itemsize,
                    "device": str(loaded.device), "threads": torch.get_num_threads()})
     except Exception as err:  # report to the parent instead of dying silently
         queue.put({"error": f"{type(err).__name__}: {err}"})
 
 
 def profile(model: str | Variant, *, device: str = "auto", dtype: str = "auto", prompt_len: int = 32,
-            new_tokens: int = 1024, repeats: int = 3, warmup: int = 1, threads: int | None = None) -> dict:
-    """Profile one model (alias, checkpoint dir or ``Variant``) in a fresh process; returns timings and memory."""
+            new_tokens: int = 1024, repeats: int = 3, warmup: int = 1, threads: int | None = None,
+            decode: str = "auto") -> dict:
+    """Profile one model (alias, checkpoint dir or ``Variant``) in a fresh process; returns timings and memory.
+    ``decode``: the decode path (``decode_path``; "auto" picks one per device)."""
     variant = model if isinstance(model, Variant) else Variant(model)
+    decode_path(torch.device("cpu"), decode)  # an unknown path fails here, before a process is spawned
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_child, args=(queue, variant, {"device": device, "dtype": dtype}, prompt_len,
-                                            new_tokens, repeats, warmup, threads))
+                                            new_tokens, repeats, warmup, threads, decode))
     proc.start()
     result = queue.get()
     proc.join()
     if "error" in result:
         raise RuntimeError(f"profiling {variant.source} failed: {result['error']}")
     return result
+
+
+_POOLED = ("seconds_all", "prefill_all", "decode_all")  # per-run timings, pooled over rounds
 
 
 def profile_rounds(sources: dict[str, str | Variant], *, rounds: int = 1, **kwargs) -> dict[str, dict]:
@@ -185,7 +284,8 @@ def profile_rounds(sources: dict[str, str | Variant], *, rounds: int = 1, **kwar
         for label in (list(sources) if k % 2 == 0 else list(sources)[::-1]):
             res = profile(sources[label], **kwargs)
             if label in pooled:
-                pooled[label]["seconds_all"] += res["seconds_all"]
+                for key in _POOLED:
+                    pooled[label][key] += res[key]
                 pooled[label]["peak_mem_mb"] = max(pooled[label]["peak_mem_mb"], res["peak_mem_mb"])
             else:
                 pooled[label] = res
@@ -198,22 +298,29 @@ def profile_rounds(sources: dict[str, str | Variant], *, rounds: int = 1, **kwar
 
 def summary_table(model: str, variant_method: str, variants: dict[str, Variant], results: dict[str, dict],
                   new_tokens: int):
-    """One row per model (dense first): timings, peak memory, speedup over dense, the bytes bound and
-    ``of_bound`` = (speedup − 1) / (bytes bound − 1), the share of the theoretical gain realised."""
+    """One row per model (dense first): the decode path timed, whole-generation seconds, prefill and per-token
+    decode times (medians), tokens per second, the achieved weight bandwidth (weight bytes read per token ×
+    tokens per second), peak memory; the decode ``speedup`` over dense, the ``bytes_bound`` and ``of_bound`` =
+    (speedup − 1) / (bytes bound − 1), the share of the theoretical gain realised."""
     import pandas as pd
 
     rows = []
     for label, v in variants.items():
         res = results[label]
         kind = v.method
+        decode_ms = statistics.median(res["decode_all"]) / max(new_tokens - 1, 1) * 1e3
         rows.append({"model": model, "method": {None: "dense", "channels": variant_method}.get(kind, kind),
                      "variant": label, "sparsity": v.sparsity, "round_to": v.round_to or 0, "device": res["device"],
-                     "threads": res["threads"], "new_tokens": new_tokens, "seconds_median": res["seconds_median"],
-                     "seconds_min": res["seconds_min"], "seconds_max": res["seconds_max"], "runs": res["runs"],
-                     "peak_mem_mb": res["peak_mem_mb"], "weights_read": res["weights_read"]})
+                     "threads": res["threads"], "decode": res["decode"], "new_tokens": new_tokens,
+                     "seconds_median": res["seconds_median"], "seconds_min": res["seconds_min"],
+                     "seconds_max": res["seconds_max"], "runs": res["runs"],
+                     "prefill_ms": statistics.median(res["prefill_all"]) * 1e3, "decode_ms_per_token": decode_ms,
+                     "tokens_per_s": 1e3 / decode_ms, "bandwidth_gb_s": res["bytes_read"] / decode_ms / 1e6,
+                     "peak_mem_mb": res["peak_mem_mb"], "weights_read": res["weights_read"],
+                     "decode_reason": res["decode_reason"]})
     table = pd.DataFrame(rows)
     dense = table.iloc[0]
-    table["speedup"] = dense["seconds_median"] / table["seconds_median"]
+    table["speedup"] = dense["decode_ms_per_token"] / table["decode_ms_per_token"]
     table["bytes_bound"] = [bytes_bound(dense["weights_read"], read) for read in table["weights_read"]]
     table["of_bound"] = (table["speedup"] - 1) / (table["bytes_bound"] - 1).where(table["bytes_bound"] > 1)
     return table

@@ -68,3 +68,15 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path):
         sl.save(loaded, report, tmp_path / f"out-{offload}")
     assert runs[mode][0] == runs["none"][0]
     assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-4)
+
+
+def test_the_compiled_decode_gives_the_eager_tokens_on_cuda():
+    """05's CUDA path (static cache, compiled step, CUDA graphs) is timed with events and decodes what eager does."""
+    from spap_lib import profile as prof
+
+    model = _on_cuda("llama").model.eval()
+    prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1)).cuda()
+    auto = prof.time_generation(model, prompt, 16, repeats=2, warmup=1)
+    eager = prof.time_generation(model, prompt, 16, repeats=1, warmup=0, decode="eager")
+    assert auto["decode"] == "compiled" and auto["tokens"] == eager["tokens"]
+    assert min(auto["decode_all"]) > 0 and auto["peak_mem_mb"] > 0
