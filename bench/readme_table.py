@@ -131,6 +131,37 @@ def render_budget128(csv: str) -> str:
     return out.to_markdown(index=False) if len(out) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
+def _grid_protocol(table: pd.DataFrame) -> pd.DataFrame:
+    """The grid's protocol only (perplexity at 512 on the first 40 test windows), without its columns."""
+    table = table[(table["eval_seqlen"] == 512) & (table["eval_windows"] == 40)]
+    return table.drop(columns=["eval_seqlen", "eval_windows"])
+
+
+def render_parts(csv: str) -> str:
+    """Every labelled method as its three parts (selection, allocation, update) and its perplexity per sparsity,
+    per model and calibration size, on the grid's protocol (``figures.compositions``)."""
+    from spap_lib.figures import compositions
+
+    table = _grid_protocol(compositions(csv)).drop(columns=["label"])
+    for c in table.columns:
+        if not isinstance(c, str):  # perplexity per sparsity, two decimals (a collapsed run's too), blank if not run
+            table[c] = ["" if pd.isna(v) else f"{v:.2f}" for v in table[c]]
+    table.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in table.columns]
+    return table.to_markdown(index=False, disable_numparse=True)
+
+
+def render_best(csv: str) -> str:
+    """Per model, calibration size and sparsity: the best baseline against the best composition with SPAP's
+    alternating update, and the best of those at uniform widths (``figures.best_compositions``)."""
+    from spap_lib.figures import best_compositions
+
+    table = _grid_protocol(best_compositions(csv))
+    if not len(table):
+        return "(no grid cell with both a baseline and a composition with the alternating update)"
+    table["sparsity"] = [f"{x:.0%}" for x in table["sparsity"]]
+    return table.round(2).to_markdown(index=False)
+
+
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
              "profile_slicegpt": render_profile}
 
@@ -141,7 +172,7 @@ def render_blocks(csv: str) -> dict[str, str]:
     if kind is None:
         raise SystemExit(f"{csv}: no table is rendered from it (known: {', '.join(RENDERERS)})")
     more = {"results": render_sweep, "table5": render_table5, "paper": render_paper,
-            "budget128": render_budget128} if kind == "ablation" else {}
+            "budget128": render_budget128, "parts": render_parts, "best": render_best} if kind == "ablation" else {}
     return {kind: RENDERERS[kind](csv), **{name: render(csv) for name, render in more.items()}}
 
 

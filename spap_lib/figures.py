@@ -190,6 +190,70 @@ def table5(results_csv: str | Path) -> pd.DataFrame:
     return out.reset_index()
 
 
+PARTS = ("select", "allocation", "update")
+
+
+def _parts(label: str) -> dict[str, str]:
+    """A label's three parts (``Method.parts``: channel selection, allocation, update) and the other settings it
+    names; a whole-model method (SliceGPT) has no parts. A label relabelled with a setting that no longer
+    parses (``option=unset``) keeps its method's parts."""
+    from .errors import ParameterError
+    from .methods import get_method
+    from .methods.base import parse_label
+
+    name, hparams = parse_label(label)
+    try:
+        parts = get_method(label).parts()
+    except (ParameterError, ValueError):
+        parts = get_method(name, **{k: v for k, v in hparams.items() if k in PARTS}).parts()
+    others = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in hparams.items() if k not in PARTS)
+    return {**{k: parts.get(k, "") for k in PARTS}, "settings": others}
+
+
+def compositions(results_csv: str | Path) -> pd.DataFrame:
+    """What each part contributes: per model and protocol (calibration size, evaluation), every labelled method
+    with its channel selection, allocation and update (``Method.parts``: the baselines are compositions too),
+    the other settings its label names, and its perplexity per sparsity; sorted by the parts, so rows that
+    differ in one part sit together."""
+    table = load_rows(results_csv)
+    table = table[table["label"] != "dense"]
+    key = ["model", "calib", "eval_seqlen", "eval_windows"]
+    wide = table.pivot_table(index=[*key, "label"], columns="sparsity", values="ppl").reset_index()
+    parts = pd.DataFrame([_parts(label) for label in wide["label"]], index=wide.index)
+    wide = pd.concat([wide[key], parts, wide.drop(columns=key)], axis=1)
+    wide = wide[wide["select"] != ""]  # whole-model methods have no parts to compare
+    return wide.sort_values([*key, *PARTS, "settings"], kind="stable").reset_index(drop=True)
+
+
+def best_compositions(results_csv: str | Path) -> pd.DataFrame:
+    """Per model, protocol and sparsity: the best baseline (a method not the paper's, at its own parts), the best
+    composition that includes SPAP's alternating update, and the best of those at uniform widths (stock-loadable
+    checkpoints); ``lead`` is the best baseline's perplexity minus the best composition's (positive: the
+    composition leads)."""
+    from .methods import METHODS
+    from .methods.base import parse_label
+
+    table = load_rows(results_csv)
+    table = table[table["label"] != "dense"]
+    parts = {label: _parts(label) for label in set(table["label"])}
+    alternating = table["label"].map(lambda lab: parts[lab]["update"] == "alternating")
+    uniform = table["label"].map(lambda lab: parts[lab]["allocation"] in ("uniform", ""))
+    baseline = table["label"].map(lambda lab: not METHODS[parse_label(lab)[0]].ours) & ~alternating
+    rows = []
+    for key, cell in table.groupby(["model", "calib", "eval_seqlen", "eval_windows", "sparsity"], sort=True):
+        def best(mask):
+            pick = cell[mask.loc[cell.index]]
+            return ("", float("nan")) if not len(pick) else \
+                tuple(pick.loc[pick["ppl"].idxmin(), ["label", "ppl"]])
+        (b_label, b_ppl), (a_label, a_ppl) = best(baseline), best(alternating)
+        u_label, u_ppl = best(alternating & uniform)
+        if a_label and b_label:
+            rows.append({**dict(zip(["model", "calib", "eval_seqlen", "eval_windows", "sparsity"], key)),
+                         "best baseline": b_label, "baseline ppl": b_ppl, "best with alternating update": a_label,
+                         "ppl": a_ppl, "lead": b_ppl - a_ppl, "best uniform-width": u_label, "uniform ppl": u_ppl})
+    return pd.DataFrame(rows)
+
+
 def layer_plot(report: dict, title: str):
     """02's per-layer picture of one prune report: the relative MLP error on calibration where the method
     records it (SPAP: after the penalty method's refit and after the alternating update), otherwise what

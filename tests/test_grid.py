@@ -8,6 +8,7 @@ import spap_lib.grid as grid_mod
 from spap_lib.data import Calibration
 from spap_lib.figures import figure2, headline, layer_plot, table5
 from spap_lib.grid import Eval, Grid, Variant, record_run, run_grid
+from spap_lib.methods.base import parse_label
 from spap_lib.models import Loaded, ModelSource
 
 
@@ -131,6 +132,38 @@ def test_tables_name_each_row_by_the_settings_it_ran_with(tmp_path):
     table = headline(csv)
     assert set(table.reset_index()["label"]) == {"dense", f"spap/lr={old}", "spap", f"spap/K=5,lr={old}", "spap/K=7"}
     assert table.loc[("m", "32×512", 512, 40, "spap"), 0.2] == 29.0  # today's default, whatever its label said
+
+
+def test_the_parts_table_and_the_best_composition_against_the_best_baseline(tmp_path):
+    """Every label is shown as its three parts (baselines too), and per cell the best composition with SPAP's
+    alternating update is compared with the best baseline, the best uniform-width one reported apart."""
+    import json
+
+    from spap_lib.figures import best_compositions, compositions
+
+    def row(label, sparsity, ppl):
+        method, hparams = parse_label(label)
+        return {"model": "m", "label": label, "method": method, "sparsity": sparsity, "eval_seqlen": 512,
+                "eval_windows": 40, "nsamples": 32, "seqlen": 512, "ppl": ppl, "hparams": json.dumps(hparams),
+                "resolved_hparams": json.dumps(sl.get_method(label).hparams())}
+    cells = {"cfsp": (30.0, 40.0), "fasp": (31.0, 39.0), "spap_no_update": (30.5, 38.0), "spap": (30.8, 38.5),
+             "spap/allocation=error": (29.0, 37.0), "spap/select=act_norm": (29.5, 38.2), "flap/bias=false": (33.0, 44.0)}
+    csv = tmp_path / "r.csv"
+    pd.DataFrame([row(label, s, ppl) for label, ppls in cells.items() for s, ppl in zip((0.1, 0.2), ppls)]
+                 + [{**row("spap", 0.0, 20.0), "label": "dense", "method": "dense", "resolved_hparams": "{}"}]
+                 ).to_csv(csv, index=False)
+    parts = compositions(csv).set_index("label")
+    assert list(parts.loc["cfsp", ["select", "allocation", "update"]]) == ["act_norm", "angular", "none"]
+    assert list(parts.loc["spap/select=act_norm", ["select", "allocation", "update"]]) == \
+        ["act_norm", "uniform", "alternating"]
+    assert parts.loc["flap/bias=false", "settings"] == "bias=false" and parts.loc["fasp", "update"] == "ls"
+    assert parts.loc["spap/allocation=error", 0.1] == 29.0 and "dense" not in parts.index
+    best = best_compositions(csv).set_index("sparsity")
+    assert best.loc[0.1, "best baseline"] == "cfsp" and best.loc[0.1, "lead"] == pytest.approx(1.0)
+    assert best.loc[0.2, "best baseline"] == "fasp"  # spap_no_update is an ablation, not a baseline
+    assert best.loc[0.2, "best with alternating update"] == "spap/allocation=error"
+    assert best.loc[0.2, "best uniform-width"] == "spap/select=act_norm" and best.loc[0.2, "uniform ppl"] == 38.2
+    assert best.loc[0.1, "best uniform-width"] == "spap/select=act_norm"
 
 
 def test_table3_keeps_each_number_of_examples_apart_and_carries_the_stderr():
