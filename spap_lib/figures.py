@@ -206,7 +206,8 @@ def _parts(label: str) -> dict[str, str]:
         parts = get_method(label).parts()
     except (ParameterError, ValueError):
         parts = get_method(name, **{k: v for k, v in hparams.items() if k in PARTS}).parts()
-    others = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in hparams.items() if k not in PARTS)
+    others = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                      for k, v in hparams.items() if k not in PARTS)
     return {**{k: parts.get(k, "") for k in PARTS}, "settings": others}
 
 

@@ -183,8 +183,8 @@ def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, 
                     decode: str = "auto") -> dict:
     """Greedy generation of exactly ``new_tokens`` tokens, ``repeats`` timed runs after ``warmup`` untimed ones
     (a compiled path warms up at least twice: compile, then record the graph): per run the prefill and the
-    decode seconds, the path timed with its reason, and the last run's tokens. A decode step that fails to compile is timed on the
-    eager path instead, with a warning naming why."""
+    decode seconds, the path timed with its reason, and the last run's tokens. A decode step that fails to
+    compile is timed on the eager path instead, with a warning naming why."""
     from transformers import StaticCache
 
     device = prompt.device

@@ -147,7 +147,8 @@ def test_the_parts_table_and_the_best_composition_against_the_best_baseline(tmp_
                 "eval_windows": 40, "nsamples": 32, "seqlen": 512, "ppl": ppl, "hparams": json.dumps(hparams),
                 "resolved_hparams": json.dumps(sl.get_method(label).hparams())}
     cells = {"cfsp": (30.0, 40.0), "fasp": (31.0, 39.0), "spap_no_update": (30.5, 38.0), "spap": (30.8, 38.5),
-             "spap/allocation=error": (29.0, 37.0), "spap/select=act_norm": (29.5, 38.2), "flap/bias=false": (33.0, 44.0)}
+             "spap/allocation=error": (29.0, 37.0), "spap/select=act_norm": (29.5, 38.2),
+             "flap/bias=false": (33.0, 44.0)}
     csv = tmp_path / "r.csv"
     pd.DataFrame([row(label, s, ppl) for label, ppls in cells.items() for s, ppl in zip((0.1, 0.2), ppls)]
                  + [{**row("spap", 0.0, 20.0), "label": "dense", "method": "dense", "resolved_hparams": "{}"}]

@@ -22,7 +22,8 @@ def test_rounds_alternate_the_order_and_pool_every_run(monkeypatch):
     assert out["dense"]["seconds_median"] == 4.25 and out["20%"]["seconds_median"] == 3.25
     assert out["20%"]["seconds_min"] == 2 and out["20%"]["seconds_max"] == 6.5
     assert out["dense"]["peak_mem_mb"] == 105.0  # the largest peak over its rounds
-    assert out["dense"]["decode_all"] == pytest.approx([0.9, 1.4, 3.9, 4.4, 4.9, 5.4]) and len(out["dense"]["prefill_all"]) == 6
+    assert out["dense"]["decode_all"] == pytest.approx([0.9, 1.4, 3.9, 4.4, 4.9, 5.4])
+    assert len(out["dense"]["prefill_all"]) == 6
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         prof.profile_rounds({"dense": "d"}, rounds=0)
 
