@@ -171,7 +171,8 @@ TABLE5 = ("fasp", "spap_no_update", *(m + u for u in UPDATE_LABELS for m in ("sp
 def table5(results_csv: str | Path) -> pd.DataFrame:
     """The paper's Table 5 from the grid's rows: per model, protocol (calibration size, evaluation) and
     sparsity where an ablation ran, perplexity of FASP and of SPAP with each part removed, and each one's
-    increase over dense (%). A cell not measured is empty; a protocol without a dense row, no percentages."""
+    increase over dense (%); last, the best composition with SPAP's alternating update in that cell, labelled
+    with its parts. A cell not measured is empty; a protocol without a dense row, no percentages."""
     table = load_rows(results_csv)
     key = ["model", "calib", "eval_seqlen", "eval_windows"]
     dense = table[table["label"] == "dense"].groupby(["model", "eval_seqlen", "eval_windows"])["ppl"].first()
@@ -180,13 +181,21 @@ def table5(results_csv: str | Path) -> pd.DataFrame:
     wide = wide[[label for label in TABLE5 if label in wide.columns]]
     ablations = [label for label in TABLE5 if label.startswith(("spap_no_update", "spap_gd")) and label in wide.columns]
     wide = wide[wide[ablations].notna().any(axis=1)]  # cells where an ablation ran (the rest is the sweep)
+    # the best composition with the alternating update in each cell (any label: the parts table's), its own column
+    pruned = table[table["label"] != "dense"]
+    alternating = pruned[[_parts(label)["update"] == "alternating" for label in pruned["label"]]]
+    best = alternating.loc[alternating.groupby([*key, "sparsity"])["ppl"].idxmin()].set_index([*key, "sparsity"])
     out = pd.DataFrame(index=wide.index)
     for (model, _, seqlen, windows, _), row in wide.iterrows():
         base = dense.get((model, seqlen, windows))
         out.loc[row.name, "dense"] = "" if base is None else f"{base:.2f}"
+
+        def cell(ppl):
+            return "" if pd.isna(ppl) else f"{ppl:.2f}" + ("" if base is None else f" (+{100 * (ppl / base - 1):.1f}%)")
         for label, ppl in row.items():
-            out.loc[row.name, label] = "" if pd.isna(ppl) else \
-                f"{ppl:.2f}" + ("" if base is None else f" (+{100 * (ppl / base - 1):.1f}%)")
+            out.loc[row.name, label] = cell(ppl)
+        top = best.loc[row.name] if row.name in best.index else None
+        out.loc[row.name, "best composition"] = "" if top is None else f"{cell(top['ppl'])}: {top['label']}"
     return out.reset_index()
 
 
