@@ -83,6 +83,7 @@ class Plan:
     disk_gb: float = 0.0  # offload="disk": the pruned layers written as they finish
     disk_free_gb: float | None = None
     checkpoint_gb: float = 0.0  # the pruned checkpoint on disk
+    least_device_gb: float | None = None  # the least device memory any offload mode needs (offload "auto")
 
     @property
     def total_seconds(self) -> float:
@@ -93,12 +94,22 @@ class Plan:
         """What pruning adds to the resident weights at its peak (activations, solver state, temporaries)."""
         return sum(v for k, v in self.memory_gb.items() if k not in ("weights", "evaluation logits"))
 
+    def smallest_fit(self) -> str:
+        """Where a run that does not fit would: the least device memory it needs (its leanest offload mode) and the
+        smallest device of ``throughput.json`` with that much."""
+        need = self.least_device_gb if self.least_device_gb is not None else self.peak_device_gb
+        rows = sorted((r["memory_gb"], name) for name, r in THROUGHPUT.items() if r.get("memory_gb", 0) >= need)
+        device = f"e.g. {rows[0][1]} ({rows[0][0]} GB)" if rows else "more than any device planned here"
+        return f"it needs at least {need:.1f} GB of device memory: {device}"
+
     def table(self) -> str:
         rows = [f"plan: {self.model}, {self.method}, on {self.device} (offload {self.offload})"]
         limit = f" of {self.device_memory_gb:.0f} GB" if self.device_memory_gb else ""
         host = f" of {self.host_memory_gb:.0f} GB" if self.host_memory_gb else ""
         rows.append(f"  peak device memory {self.peak_device_gb:8.2f} GB{limit}"
                     f"   peak host memory {self.peak_host_gb:.2f} GB{host}   fits: {'yes' if self.fits else 'NO'}")
+        if not self.fits and not self.device.startswith("cpu"):
+            rows.append(f"  {self.smallest_fit()}")
         if self.offload == "disk":
             free = f" of {size(self.disk_free_gb)} free" if self.disk_free_gb is not None else ""
             rows.append(f"  disk for the pruned layers {size(self.disk_gb)}{free}")
@@ -199,7 +210,9 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
     if offload != "auto":
         return _plan_one(model, offload, **args, **limits)
     plans = [_plan_one(model, mode, **args, **limits) for mode in ("none", "cpu", "disk")]
-    return next((p for p in plans if p.fits), plans[-1])
+    chosen = next((p for p in plans if p.fits), plans[-1])
+    chosen.least_device_gb = min(p.peak_device_gb for p in plans)
+    return chosen
 
 
 # Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB

@@ -157,7 +157,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                     + ". Use " + (f"{option('offload', 'disk')} (weights read layer by layer), " if p.offload != "disk"
                                   else f"{_spill_hint()}, ")
                     + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
-                    f"device.\n{p.table()}")
+                    + (f"device ({p.smallest_fit()})" if dev.type != "cpu" else "machine")
+                    + f".\n{p.table()}")
             check.offload = p.offload
             if out_dir is not None:
                 _check_space(out_dir, p.checkpoint_gb)

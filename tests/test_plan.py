@@ -49,6 +49,12 @@ def test_paper_headline_setting_on_one_24gb_card():
     assert "NO" in p.table() and "of 24 GB" in p.table()
     offloaded = plan("llama-3.1-8b", device="rtx4090", nsamples=128, seqlen=2048, offload="cpu")
     assert offloaded.fits and offloaded.peak_device_gb <= 20
+    # a card too small for even one layer's work names the least memory and the smallest device that has it
+    big = plan("llama-3.1-70b", device="rtx4090", nsamples=128, seqlen=2048)
+    need = min(plan("llama-3.1-70b", device="rtx4090", nsamples=128, seqlen=2048, offload=m).peak_device_gb
+               for m in ("none", "cpu", "disk"))
+    assert not big.fits and big.least_device_gb == pytest.approx(need)
+    assert f"it needs at least {need:.1f} GB of device memory: e.g. h100 (79 GB)" in big.table()
 
 
 def test_disk_offload_keeps_hidden_states_out_of_host_memory():
