@@ -8,6 +8,10 @@ warm-up prune on two windows comes first, so the measured row is a prune's stead
 prune of a process also pays for library initialisation and the allocator's growth (reported too).
 
     python bench/plan_check.py --model smollm2-135m --nsamples 32 --seqlen 512
+    python bench/plan_check.py --models wide:1024x8192 --nsamples 32 --seqlen 1024 --hparams '{"K": 2, "am_iters": 1}'
+
+``wide:<d>x<n>``: a random two-layer Llama of hidden size d and MLP width n (random tokens), for a layer wider
+than the offline models' (the solver's n × n state then dominates the working memory).
 """
 from __future__ import annotations
 
@@ -38,10 +42,11 @@ def main(argv=None) -> None:
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()
     for model in args.models.split(","):
+        loaded, calib, config = _wide(model, args.nsamples, args.seqlen) if model.startswith("wide:") else \
+            (sl.load(model, device="cpu"), None, None)
         p = plan(model, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
-                 eval_seqlen=args.seqlen, device="cpu-2core")
-        loaded = sl.load(model, device="cpu")
-        calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
+                 eval_seqlen=args.seqlen, device="cpu-2core", config=config)
+        calib = calib or sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
         first = sl.prune(loaded.copy(), Calibration(calib.windows[:2], calib.starts[:2], calib.split, calib.source,
                                                     calib.corpus_tokens, 0), args.method, 0.2, hparams=hparams,
                          progress=False)["memory"]
@@ -66,6 +71,24 @@ def main(argv=None) -> None:
         "set before it (weights, Python and libraries); predicted = the plan's peak minus weights and evaluation "
         "logits. Prune time: the plan's compute-only estimate from this machine's measured rates.\n\n"
         + table.to_markdown(index=False) + "\n"))
+
+
+def _wide(name: str, nsamples: int, seqlen: int):
+    """A random two-layer Llama of the shape ``wide:<d>x<n>`` on random tokens: (loaded, calibration, config)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from spap_lib.models import Loaded, ModelSource
+
+    d, n = (int(x) for x in name.removeprefix("wide:").split("x"))
+    config = LlamaConfig(vocab_size=256, hidden_size=d, intermediate_size=n, num_hidden_layers=2,
+                         num_attention_heads=max(1, d // 128), num_key_value_heads=max(1, d // 256),
+                         max_position_embeddings=max(seqlen, 2048))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    windows = torch.randint(0, 256, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource(name, "random", "-"), torch.device("cpu"))
+    return loaded, Calibration(windows, torch.arange(nsamples), "random", "random tokens", windows.numel(), 0), config
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
                           onloader=loaded.onloader, batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate,
                           progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint) if work else \
             {"propagate": algo.propagates if propagate is None else propagate, "seconds": 0.0, "resumed_at_layer": 0,
-             "layers": [], "kept_channels": [list(range(plan.width))] * plan.layers}
+             "allocation_seconds": 0.0, "layers": [], "kept_channels": [list(range(plan.width))] * plan.layers}
     widths = [len(k) for k in run["kept_channels"]]
     return _report(loaded, calib, algo, seed, run, before, memory,
                    precision=resolve_precision(algo.precision, loaded.device),
@@ -137,6 +137,7 @@ def _report(loaded: Loaded, calib: Calibration, algo: Method, seed: int, run: di
                      "achieved_total": 1 - after["total"] / before["total"]},
         "params": {"dense": before, "pruned": after},
         "seconds": run["seconds"],  # of this run: a resumed one did not redo the first layers
+        "allocation_seconds": run.get("allocation_seconds", 0.0),  # within seconds: the per-layer widths decided
         "resumed_at_layer": run["resumed_at_layer"],
         "offload": loaded.offload,
         "precision": precision,  # "auto" resolved for this device

@@ -115,13 +115,16 @@ class Grid:
         self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
         self._stats = None
         self._curves: dict[str, list] = {}  # per variant: dense statistics with its error curves
+        self._pass_seconds: dict[str, float] = {}  # what each shared dense pass took ("" : the plain statistics)
         self._eval_ids = None
 
     @property
     def stats(self):
         if self._stats is None:
+            t0 = time.perf_counter()
             self._stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
                                       chunk=self.chunk, progress=self.progress)
+            self._pass_seconds[""] = time.perf_counter() - t0
         return self._stats
 
     def eval_ids(self) -> tuple[torch.Tensor, str]:
@@ -138,15 +141,21 @@ class Grid:
         pruned = self.fresh()
         if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
             if variant.label not in self._curves:
+                t0 = time.perf_counter()
                 self._curves[variant.label] = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
                                                           chunk=self.chunk, progress=self.progress,
                                                           curve=algo.error_curve)
-            stats = self._curves[variant.label]
+                self._pass_seconds[variant.label] = time.perf_counter() - t0
+            stats, shared = self._curves[variant.label], variant.label
         else:
             stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
+            shared = ""
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
+        if algo.allocation != "uniform" and algo.propagates:
+            # the dense pass this cell's widths came from, computed once for the grid: a prune alone pays it
+            report["allocation_seconds"] += self._pass_seconds.get(shared, 0.0)
         return pruned, report
 
     def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
@@ -184,6 +193,9 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         # first layer it pruned itself: the row must not read as the time of a whole prune.
         "prune_seconds": report["seconds"] if report else 0.0,
         "resumed_at_layer": report["resumed_at_layer"] if report else 0,
+        # deciding the per-layer widths: the dense pass (shared between a grid's cells, and then not within
+        # prune_seconds) and the allocation; 0 for uniform widths
+        "allocation_seconds": report.get("allocation_seconds", 0.0) if report else 0.0,
         # the process's peak during the prune (the grid also holds the pristine and dense copies)
         "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
         "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,

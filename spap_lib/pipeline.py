@@ -156,8 +156,9 @@ def prune_model(
     ``allocation`` is decided on dense statistics before the first layer is pruned.
     ``onloader`` (``spap_lib.onload``) says where weights wait between layers; default: resident.
     ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
-    Returns timings, per-layer diagnostics and the plan as data: the dense channel indices kept in
-    every layer (``kept_channels``), enough to re-apply the same selection to the dense model.
+    Returns timings (``allocation_seconds``: deciding the per-layer widths, within ``seconds``), per-layer
+    diagnostics and the plan as data: the dense channel indices kept in every layer (``kept_channels``), enough
+    to re-apply the same selection to the dense model.
     ``checkpoint`` (``resume.LayerCheckpoint``): layer-by-layer pruning saves every finished layer there
     and resumes after the last one it finds (removed once the run completes).
     """
@@ -171,14 +172,21 @@ def prune_model(
             inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
     uniform = method.allocation == "uniform"
     curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
+    t_alloc = time.perf_counter()
+    scoring = method.scores_dense and not propagate  # a pass the method's scores need anyway
     if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
                             curve=curve)
+    if scoring:
+        t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \
         method.removals(stats, plan.width, plan.n_remove * len(layers),
                         _allocation_scores(adapter, method, onloader, stats))
     if plan.round_to is not None and not uniform:
         removals = alloc.rounded(removals, plan.width, plan.round_to)
+    # what deciding the per-layer widths cost here: the dense pass (unless the scores need it anyway) and the
+    # allocation itself
+    allocation_seconds = 0.0 if uniform else time.perf_counter() - t_alloc
     resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
     if method.scores_dense and not propagate:
         per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)
@@ -195,7 +203,7 @@ def prune_model(
     if checkpoint is not None and checkpoint.clear_when_done:
         checkpoint.clear()
     return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept,
-            "resumed_at_layer": resumed}
+            "resumed_at_layer": resumed, "allocation_seconds": allocation_seconds}
 
 
 def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):

@@ -61,6 +61,10 @@ def test_a_grid_measures_an_error_allocations_curves_once_per_variant(tiny_token
     assert len(curves) == 2 and all(c is not None for c in curves)
     pruned = table[table["label"] != "dense"]
     assert len(pruned) == 4 and (pruned["uniform_width"] == False).any()  # noqa: E712 (a pandas column)
+    # every cell records what its widths cost, the shared curve pass included (a prune alone would pay it)
+    assert (pruned["allocation_seconds"] > 0).all() and table.set_index("label").loc["dense", "allocation_seconds"] == 0
+    uniform = run_grid(g, [Variant.parse("fasp")], [0.2], [16], 2, tmp_path / "u.csv")
+    assert (uniform["allocation_seconds"] == 0).all()
 
 
 def test_grid_skips_unsupported_cells_with_a_reason(tiny_tokenizer, windows, tmp_path, capsys):

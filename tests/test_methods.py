@@ -97,6 +97,7 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
     assert removed[1] >= 32 and removed[1] > max(removed[0], removed[2])
+    assert 0 < report["allocation_seconds"] < report["seconds"]  # the curve pass and the allocation, timed
     # round_to: every layer's kept width a multiple, the same total, the dead channels still taken first
     fresh = tiny_model("llama")
     with torch.no_grad():
