@@ -36,6 +36,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--hparams", default="{}", help="JSON overrides of the method's defaults")
     ap.add_argument("--out", default="bench/results/plan_check.csv")
+    ap.add_argument("--note", default="", help="what the row's conditions were (e.g. another job on the cores)")
     args = ap.parse_args(argv)
     command = " ".join(["python", "bench/plan_check.py", *(sys.argv[1:] if argv is None else argv)])
     hparams = json.loads(args.hparams)
@@ -61,15 +62,16 @@ def main(argv=None) -> None:
                "resident before GB": round(mem["rss_before_mb"] / 1024, 3),
                "predicted weights GB": p.memory_gb["weights"],
                "predicted prune s": round(p.total_seconds - p.seconds["perplexity (dense + pruned)"]),
-               "measured prune s": round(report["seconds"])}
+               "measured prune s": round(report["seconds"]), "command": command, "revision": git_revision(),
+               "note": args.note}
         table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
         write_csv_atomic(out, table)
         print(row, flush=True)
     write_text_atomic(out.with_suffix(".md"), (
-        f"# The plan against measured prunes (this 2-core CPU, float32)\n\nCommand: `{command}`  \n"
-        f"Revision: `{git_revision()}`  \nWorking memory = peak resident set during the prune minus the resident "
-        "set before it (weights, Python and libraries); predicted = the plan's peak minus weights and evaluation "
-        "logits. Prune time: the plan's compute-only estimate from this machine's measured rates.\n\n"
+        "# The plan against measured prunes (this 2-core CPU, float32)\n\nEach row names its command and revision "
+        "(the first row's were not recorded).  \nWorking memory = peak resident set during the prune minus the "
+        "resident set before it (weights, Python and libraries); predicted = the plan's peak minus weights and "
+        "evaluation logits. Prune time: the plan's compute-only estimate from this machine's measured rates.\n\n"
         + table.to_markdown(index=False) + "\n"))
 
 
