@@ -125,13 +125,14 @@ def test_committed_result_tables(name):
         assert run["git_revision"] and run["versions"]["torch"].startswith("2.13.0")
 
 
-@pytest.mark.parametrize("config", ["smoke.yaml", "offline.yaml", "paper.yaml", "ablate_offline.yaml",
-                                    "ablate_qwen.yaml", "calib_size.yaml"])
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_every_config_value_has_the_type_its_notebooks_declare(config):
     """A chain config feeds every notebook: a name declared by two notebooks with two types (05's list of
-    kept-width multiples vs 02's one multiple, once both `round_to`) fails here, not in `make main`."""
+    kept-width multiples vs 02's one multiple, once both `round_to`) fails here, not in `make main`; every
+    method label a config lists is one the library runs."""
     from typing import Optional
 
+    import spap_lib as sl
     from spap_lib.checks import check_notebook_parameters
     from spap_lib.nbparams import for_notebook
 
@@ -140,6 +141,8 @@ def test_every_config_value_has_the_type_its_notebooks_declare(config):
                     for name, node in _parameters(notebook.name).items()}
         params = for_notebook(REPO / "configs" / config, notebook)
         check_notebook_parameters({"__annotations__": {k: declared[k] for k in params}, **params}, notebook.stem)
+    for label in yaml.safe_load((REPO / "configs" / config).read_text()).get("methods", []):
+        sl.get_method(label)
 
 
 def test_saved_notebook_defaults_are_the_papers_settings():
