@@ -197,11 +197,11 @@ def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, 
             cache.reset()
         return greedy_tokens(model, prompt, new_tokens, cache=cache, step=step, clock=clock)
 
-    for k in range(max(warmup, 2 if path == "compiled" else 0)):
+    for _ in range(max(warmup, 2 if path == "compiled" else 0)):
         try:
             run()
-        except Exception as err:  # noqa: BLE001 -- any compile failure: time what runs, say why
-            if path != "compiled" or k:
+        except Exception as err:  # noqa: BLE001 -- a failure to compile or to record the graph: time what runs
+            if path != "compiled":
                 raise
             why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             warnings.warn(f"compiling the decode step failed ({why}); timing the eager path instead", stacklevel=3)
@@ -308,7 +308,8 @@ def summary_table(model: str, variant_method: str, variants: dict[str, Variant],
     for label, v in variants.items():
         res = results[label]
         kind = v.method
-        decode_ms = statistics.median(res["decode_all"]) / max(new_tokens - 1, 1) * 1e3
+        # per decoded token (the first token comes from the prefill): none to time when only one is generated
+        decode_ms = statistics.median(res["decode_all"]) / (new_tokens - 1) * 1e3 if new_tokens > 1 else float("nan")
         rows.append({"model": model, "method": {None: "dense", "channels": variant_method}.get(kind, kind),
                      "variant": label, "sparsity": v.sparsity, "round_to": v.round_to or 0, "device": res["device"],
                      "threads": res["threads"], "decode": res["decode"], "new_tokens": new_tokens,
