@@ -113,19 +113,19 @@ class Grid:
         self.dense = loaded.model
         layers = loaded.adapter.layers()
         self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
-        self._stats = None
-        self._curves: dict[str, list] = {}  # per variant: dense statistics with its error curves
-        self._pass_seconds: dict[str, float] = {}  # what each shared dense pass took ("" : the plain statistics)
+        # dense passes shared between cells, with what each took: "" the plain statistics, a variant's label
+        # its error curves (the same at every sparsity)
+        self._passes: dict[str, tuple[list, float]] = {}
         self._eval_ids = None
 
-    @property
-    def stats(self):
-        if self._stats is None:
+    def dense_pass(self, key: str = "", curve=None) -> tuple[list, float]:
+        """The dense statistics (with ``curve``'s error curves) computed once per ``key``, and their seconds."""
+        if key not in self._passes:
             t0 = time.perf_counter()
-            self._stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
-                                      chunk=self.chunk, progress=self.progress)
-            self._pass_seconds[""] = time.perf_counter() - t0
-        return self._stats
+            stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size, chunk=self.chunk,
+                                progress=self.progress, curve=curve)
+            self._passes[key] = (stats, time.perf_counter() - t0)
+        return self._passes[key]
 
     def eval_ids(self) -> tuple[torch.Tensor, str]:
         if self._eval_ids is None:
@@ -140,22 +140,15 @@ class Grid:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
         if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
-            if variant.label not in self._curves:
-                t0 = time.perf_counter()
-                self._curves[variant.label] = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size,
-                                                          chunk=self.chunk, progress=self.progress,
-                                                          curve=algo.error_curve)
-                self._pass_seconds[variant.label] = time.perf_counter() - t0
-            stats, shared = self._curves[variant.label], variant.label
+            stats, seconds = self.dense_pass(variant.label, algo.error_curve)
         else:
-            stats = self.stats if needs_dense_stats(algo, algo.propagates) else None
-            shared = ""
+            stats, seconds = self.dense_pass() if needs_dense_stats(algo, algo.propagates) else (None, 0.0)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
         if algo.allocation != "uniform" and algo.propagates:
             # the dense pass this cell's widths came from, computed once for the grid: a prune alone pays it
-            report["allocation_seconds"] += self._pass_seconds.get(shared, 0.0)
+            report["allocation_seconds"] += seconds
         return pruned, report
 
     def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
