@@ -102,18 +102,24 @@ def render_paper(csv: str) -> str:
     return table.to_markdown(index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
+def _grid_protocol(table: pd.DataFrame) -> pd.DataFrame:
+    """The grid's protocol only (perplexity at 512 on the first 40 test windows), without its columns."""
+    table = table[(table["eval_seqlen"] == 512) & (table["eval_windows"] == 40)]
+    return table.drop(columns=["eval_seqlen", "eval_windows"])
+
+
 def render_budget128(csv: str) -> str:
     """The 128 × 512 grid on its own: every method at today's defaults (the label is the method; where a model
     has no such row, the method's labelled rows, e.g. ``flap/bias=false`` where there is no bias slot), per
     model, on the first 40 test windows of 512; the best pruned cell of each model and sparsity in bold."""
     from spap_lib.figures import headline
 
-    wide = headline(csv, eval_seqlen=512).reset_index()
-    wide = wide[(wide["calib"] == "128×512") & (wide["eval_windows"] == 40)]
+    wide = _grid_protocol(headline(csv, eval_seqlen=512).reset_index())
+    wide = wide[wide["calib"] == "128×512"]
     bare = {(m, label) for m, label in zip(wide["model"], wide["label"]) if "/" not in label}
     shown = [label == "dense" or "/" not in label or (m, label.split("/")[0]) not in bare
              for m, label in zip(wide["model"], wide["label"])]
-    wide = wide[shown].drop(columns=["calib", "eval_seqlen", "eval_windows"])
+    wide = wide[shown].drop(columns=["calib"])
     sparsities = [c for c in wide.columns if not isinstance(c, str) and c > 0]
     out = wide.rename(columns={"label": "method"}).astype(object)
     for model, rows in wide.groupby("model"):
@@ -129,12 +135,6 @@ def render_budget128(csv: str) -> str:
     out = out[[c for c in out.columns if isinstance(c, str) or (out[c] != "").any()]]  # sparsities measured here
     out.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in out.columns]
     return out.to_markdown(index=False) if len(out) else "(no 128 × 512 rows in results/ablation.csv)"
-
-
-def _grid_protocol(table: pd.DataFrame) -> pd.DataFrame:
-    """The grid's protocol only (perplexity at 512 on the first 40 test windows), without its columns."""
-    table = table[(table["eval_seqlen"] == 512) & (table["eval_windows"] == 40)]
-    return table.drop(columns=["eval_seqlen", "eval_windows"])
 
 
 def render_parts(csv: str) -> str:

@@ -183,7 +183,7 @@ def table5(results_csv: str | Path) -> pd.DataFrame:
     wide = wide[wide[ablations].notna().any(axis=1)]  # cells where an ablation ran (the rest is the sweep)
     # the best composition with the alternating update in each cell (any label: the parts table's), its own column
     pruned = table[table["label"] != "dense"]
-    alternating = pruned[[_parts(label)["update"] == "alternating" for label in pruned["label"]]]
+    alternating = pruned[_part_of(pruned, "update") == "alternating"]
     best = alternating.loc[alternating.groupby([*key, "sparsity"])["ppl"].idxmin()].set_index([*key, "sparsity"])
     out = pd.DataFrame(index=wide.index)
     for (model, _, seqlen, windows, _), row in wide.iterrows():
@@ -220,6 +220,12 @@ def _parts(label: str) -> dict[str, str]:
     return {**{k: parts.get(k, "") for k in PARTS}, "settings": others}
 
 
+def _part_of(table: pd.DataFrame, part: str) -> pd.Series:
+    """Each row's ``part`` (or ``"settings"``) from its label (``_parts``, read once per label)."""
+    parts = {label: _parts(label)[part] for label in set(table["label"])}
+    return table["label"].map(parts)
+
+
 def compositions(results_csv: str | Path) -> pd.DataFrame:
     """What each part contributes: per model and protocol (calibration size, evaluation), every labelled method
     with its channel selection, allocation and update (``Method.parts``: the baselines are compositions too),
@@ -245,9 +251,8 @@ def best_compositions(results_csv: str | Path) -> pd.DataFrame:
 
     table = load_rows(results_csv)
     table = table[table["label"] != "dense"]
-    parts = {label: _parts(label) for label in set(table["label"])}
-    alternating = table["label"].map(lambda lab: parts[lab]["update"] == "alternating")
-    uniform = table["label"].map(lambda lab: parts[lab]["allocation"] in ("uniform", ""))
+    alternating = _part_of(table, "update") == "alternating"
+    uniform = _part_of(table, "allocation").isin(("uniform", ""))
     baseline = table["label"].map(lambda lab: not METHODS[parse_label(lab)[0]].ours) & ~alternating
     rows = []
     for key, cell in table.groupby(["model", "calib", "eval_seqlen", "eval_windows", "sparsity"], sort=True):
