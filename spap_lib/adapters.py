@@ -66,8 +66,17 @@ class MLP:
         else:
             self.W_out = W.float().contiguous()
 
-    def clone(self) -> "MLP":
-        return self.select(torch.arange(self.width, device=self.W_out.device))
+    def clone(self, device=None) -> "MLP":
+        """A copy, on ``device`` (default: where this one is)."""
+        return self.to(self.W_out.device if device is None else device, copy=True)
+
+    def to(self, device, copy: bool = False) -> "MLP":
+        """This MLP's tensors on ``device`` (copied only where they move, unless ``copy``)."""
+        def move(t):
+            return None if t is None else t.detach().to(device, copy=copy)
+
+        return MLP([move(W) for W in self.W_in], [move(b) for b in self.b_in], move(self.W_out), move(self.b_out),
+                   self.act, self.glu)
 
 
 def _new_linear(W: torch.Tensor, b: torch.Tensor | None, like: nn.Linear) -> nn.Linear:

@@ -7,7 +7,7 @@ Every patch and hook is undone by a context manager, even when a step raises.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -124,6 +124,23 @@ def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Ten
     return out[0] if isinstance(out, tuple) else out
 
 
+class _Rows:
+    """Rows written batch by batch into one tensor from ``store(shape, dtype)``, allocated at the first batch
+    (when the width and dtype are known) for ``per_sample × samples`` rows: never a list of batches
+    concatenated at the end, which holds everything twice."""
+
+    def __init__(self, samples: int, store):
+        self.samples, self.store, self.filled, self.rows = samples, store, 0, None
+
+    def add(self, x: torch.Tensor, samples: int) -> None:
+        x = x.reshape(-1, x.shape[-1]).detach()
+        if self.rows is None:
+            per = x.shape[0] // samples  # tokens per sample (every batch has the same sequence length)
+            self.rows = (self.store or on_device(x.device))((per * self.samples, x.shape[-1]), x.dtype)
+        self.rows[self.filled:self.filled + x.shape[0]] = x
+        self.filled += x.shape[0]
+
+
 @contextmanager
 def capture_inputs(module: nn.Module, stop: bool = False):
     """Collect the first positional input of every call to ``module`` (flattened to tokens); with
@@ -145,37 +162,34 @@ def capture_inputs(module: nn.Module, stop: bool = False):
 
 @torch.no_grad()
 def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
-           device=None, store=None, finite: str | None = None, outputs: bool = True):
+           device=None, store=None, finite: str | None = None, outputs: bool = True, inputs=None):
     """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
 
     Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
-    ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm, on the device). With
-    ``device``, ``hidden`` may wait elsewhere (host memory, a spill file): each batch is moved there;
-    the outputs go batch by batch into ``store(shape, dtype)`` (default: where ``hidden`` is). With
-    ``finite`` (what the outputs are, for the message), every output batch is checked for NaN/Inf.
-    ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None (a pipeline
-    that recomputes them through the pruned layer skips the dense MLP's work).
+    ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm), written batch by batch into
+    ``inputs(shape, dtype)`` (default: on the device; an onloader's ``calibration`` keeps them in host memory when
+    the layer's weights are offloaded). With ``device``, ``hidden`` may wait elsewhere (host memory, a spill
+    file): each batch is moved there; the outputs go batch by batch into ``store(shape, dtype)`` (default: where
+    ``hidden`` is). With ``finite`` (what the outputs are, for the message), every output batch is checked for
+    NaN/Inf. ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None (a
+    pipeline that recomputes them through the pruned layer skips the dense MLP's work).
     """
-    if watch is not None and not outputs:
-        with capture_inputs(watch, stop=True) as seen:
-            for start in range(0, hidden.shape[0], batch_size):
-                h = hidden[start:start + batch_size]
-                try:
-                    run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
-                except _Stop:
-                    pass
-        return None, torch.cat(seen)
-    if watch is None:
-        out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
+    seen = None if watch is None else _Rows(hidden.shape[0], inputs)
+    out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
+    with capture_inputs(watch, stop=not outputs) if watch is not None else nullcontext([]) as batches:
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start:start + batch_size]
-            o = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+            try:
+                o = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
+            except _Stop:
+                o = None
+            while batches:  # the watched module's inputs of this batch
+                seen.add(batches.pop(0), h.shape[0])
+            if o is None:
+                continue
             if finite is not None:
                 check_finite(o, finite)
             if out is None:
                 out = (store or on_device(hidden.device))((hidden.shape[0], *o.shape[1:]), o.dtype)
             out[start:start + o.shape[0]] = o
-        return out, None
-    with capture_inputs(watch) as seen:
-        out, _ = replay(layer, hidden, kwargs, batch_size, device=device, store=store, finite=finite)
-    return out, torch.cat(seen)
+    return out, None if seen is None else seen.rows

@@ -53,46 +53,79 @@ def products(low: bool, device: torch.device):
         yield
 
 
+def rows(T: torch.Tensor, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """Rows ``start:stop`` of ``T`` on ``device``. Calibration activations may wait in (pinned) host memory while
+    the layer is on a GPU (offloaded runs: ``Onloader.calibration``); every pass over them moves one chunk at a
+    time, so the device never holds all N tokens. Where ``T`` is on ``device`` already this is a view."""
+    return T[start:stop].to(device, non_blocking=True)
+
+
+def like(T: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty tensor of ``shape`` where ``T`` waits (its device, dtype and pinning): the dense targets beside
+    the inputs they come from."""
+    return torch.empty(shape, dtype=T.dtype, device=T.device, pin_memory=T.is_pinned())
+
+
+def add_gram(H: torch.Tensor, Z: torch.Tensor) -> None:
+    """``H += Zᵀ Z`` one block of rows at a time, as many rows as ``Z`` has tokens: the temporary is a block
+    of the product (the size of ``Z``), not a second ``n × n`` matrix (3 GB at a 70B layer's n = 28,672).
+    Each block is the same sums as the whole product's rows (bench/plan_check.py measures the peak)."""
+    block = max(1, Z.shape[0])
+    for i in range(0, H.shape[0], block):
+        H[i:i + block] += (Z[:, i:i + block].T @ Z).to(H.dtype)
+
+
 def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
          low: bool = False):
     """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
-    ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias): float32
-    products of each chunk, summed in ``dtype``. With ``low``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products
-    (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of the rounded ``Z``, so it is still positive
-    semidefinite (a bf16-rounded Gram matrix is not, and its damped Cholesky can fail)."""
+    ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias), on the MLP's device
+    (``X`` and ``Y`` may wait elsewhere: ``rows``): float32 products of each chunk, summed in ``dtype``. With
+    ``low``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of
+    the rounded ``Z``, so it is still positive semidefinite (a bf16-rounded Gram matrix is not, and its damped
+    Cholesky can fail)."""
     bias = mlp.b_out is not None
-    n = mlp.width + bias
-    H = torch.zeros(n, n, dtype=dtype, device=X.device)
-    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=X.device)
+    n, device = mlp.width + bias, mlp.W_out.device
+    H = torch.zeros(n, n, dtype=dtype, device=device)
+    YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=device)
     for start in range(0, X.shape[0], chunk):
-        with products(low, X.device):
-            Z = mlp.hidden(X[start:start + chunk].float())
+        with products(low, device):
+            Z = mlp.hidden(rows(X, start, start + chunk, device).float())
         Z = augment(Z.float(), bias)
-        H += (Z.T @ Z).to(dtype)
+        add_gram(H, Z)
         if Y is not None:
-            with products(low, X.device):
-                YZ += (Y[start:start + chunk].float().T @ Z).to(dtype)
+            with products(low, device):
+                YZ += (rows(Y, start, start + chunk, device).float().T @ Z).to(dtype)
     return H if Y is None else (H, YZ)
 
 
 def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torch.float64):
-    """``H = Z̃ Z̃ᵀ`` and the outputs ``Y = mlp(X)`` (in ``X``'s dtype) from one pass: each chunk's ``Z``
-    serves both, so the targets cost one product with the output projection instead of a second forward."""
+    """``H = Z̃ Z̃ᵀ`` and the outputs ``Y = mlp(X)`` (in ``X``'s dtype, where ``X`` waits) from one pass: each
+    chunk's ``Z`` serves both, so the targets cost one product with the output projection instead of a second
+    forward."""
     bias = mlp.b_out is not None
-    n = mlp.width + bias
-    H = torch.zeros(n, n, dtype=dtype, device=X.device)
-    Y = torch.empty(X.shape[0], mlp.W_out.shape[0], dtype=X.dtype, device=X.device)
+    n, device = mlp.width + bias, mlp.W_out.device
+    H = torch.zeros(n, n, dtype=dtype, device=device)
+    Y = like(X, (X.shape[0], mlp.W_out.shape[0]))
     for start in range(0, X.shape[0], chunk):
-        Z = mlp.hidden(X[start:start + chunk].float())
+        Z = mlp.hidden(rows(X, start, start + chunk, device).float())
         Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out)
-        Z = augment(Z, bias)
-        H += (Z.T @ Z).to(dtype)
+        add_gram(H, augment(Z, bias))
     return H, Y
 
 
-def sq_norm(Y: torch.Tensor, chunk: int = 8192) -> float:
-    """``‖Y‖²`` accumulated in float64 a chunk of rows at a time (no float64 copy of ``Y``)."""
-    return sum(float(y.double().pow(2).sum()) for y in Y.split(chunk))
+def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``mlp(X)`` in ``X``'s dtype, where ``X`` waits, a chunk at a time on the MLP's device."""
+    Y = like(X, (X.shape[0], mlp.W_out.shape[0]))
+    for start in range(0, X.shape[0], chunk):
+        Y[start:start + chunk] = mlp(rows(X, start, start + chunk, mlp.W_out.device).float())
+    return Y
+
+
+def sq_norm(Y: torch.Tensor, chunk: int = 8192, device=None) -> float:
+    """``‖Y‖²`` accumulated in float64 a chunk of rows at a time on ``device`` (default: ``Y``'s; no float64 copy
+    of ``Y``)."""
+    device = Y.device if device is None else device
+    return sum(float(rows(Y, s, s + chunk, device).double().pow(2).sum()) for s in range(0, Y.shape[0], chunk))
 
 
 def mean_diag(H: torch.Tensor) -> float:
@@ -128,47 +161,91 @@ def matmul_precision(precision: str):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def _cholesky(A: torch.Tensor, what: str) -> torch.Tensor:
-    L, info = torch.linalg.cholesky_ex(A)
-    if int(info) != 0:
-        raise NumericalError(
-            f"{what} is singular or indefinite (Cholesky failed at pivot {int(info)}). "
-            "Increase the damping (damp=...) or use more calibration tokens."
-        )
-    return L
+def _factor(A: torch.Tensor) -> int:
+    """Cholesky factorisation of symmetric ``A`` in ``A``'s own memory; the failed pivot, 0 on success.
+
+    LAPACK and cuSOLVER factorise column-major storage, and ``A.mT`` of a row-major ``A`` is that: nothing is
+    copied (``torch.linalg.cholesky(A)`` factorises a copy and ``cholesky_solve`` copies the factor again, three
+    ``n × n`` buffers where one serves). The factor reads the lower triangle of ``A.mT``, the upper of ``A``. Where
+    ``A`` is symmetric to the bit (a Gram sum of float32 products on this project's CPUs: each entry the same sums
+    of the same products as its mirror) that is the factor of a copy, bit for bit; elsewhere the two triangles
+    differ by rounding, and so do the factors. Afterwards ``A.mT`` holds the lower factor ``L``."""
+    M = A.mT
+    info = torch.empty((), dtype=torch.int32, device=A.device)
+    torch.linalg.cholesky_ex(M, out=(M, info))
+    return int(info)
 
 
-def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix") -> torch.Tensor:
-    """``A⁻¹ B`` for symmetric positive definite ``A`` via Cholesky, in ``A``'s dtype.
+def _solve_factored(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """``(L Lᵀ)⁻¹ B`` for the factor ``_factor`` left in ``A`` (two triangular solves, what ``cholesky_solve``
+    does, without its copy of the factor)."""
+    L = A.mT
+    return torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, B, upper=False), upper=True)
 
-    float64: as is. float32: ``A`` is scaled in place to unit diagonal, ``S A S`` with
-    ``S = diag(A)^-1/2`` (Jacobi), solved, and scaled back; if the float32 factorization fails the
-    same scaled system is solved in float64. ``A`` is overwritten in the float32 case.
+
+def _singular(what: str, pivot: int) -> NumericalError:
+    return NumericalError(f"{what} is singular or indefinite (Cholesky failed at pivot {pivot}). "
+                          "Increase the damping (damp=...) or use more calibration tokens.")
+
+
+def _jacobi(A: torch.Tensor) -> torch.Tensor:
+    """Scale ``A`` in place to unit diagonal, ``S A S`` with ``S = diag(A)^-1/2``; returns ``diag(S)``. Entry
+    ``(i, j)`` becomes ``(a_ij s_j) s_i``: in the upper triangle, which ``_factor`` reads, exactly the
+    ``(a_ji s_j) s_i`` of the lower one that factorising a copy would read."""
+    s = A.diagonal().clamp_min(torch.finfo(A.dtype).tiny).rsqrt()
+    A.mul_(s[None, :]).mul_(s[:, None])
+    return s
+
+
+def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix", again=None) -> torch.Tensor:
+    """``A⁻¹ B`` for symmetric positive definite ``A`` via Cholesky, in ``A``'s dtype. ``A`` is overwritten: it
+    holds its own factor (``_factor``), so a solve needs no ``n × n`` buffer beyond ``A``.
+
+    float64: as is. float32: ``A`` is scaled to unit diagonal (``_jacobi``), solved, and scaled back; where the
+    float32 factorisation fails the same scaled system is solved in float64, from ``again()`` (``A`` built anew;
+    ``ridge`` passes it) or else from a copy of ``A`` kept beforehand.
     """
     B = B.to(A.dtype)
     if A.dtype == torch.float64:
-        return torch.cholesky_solve(B, _cholesky(A, what))
-    s = A.diagonal().clamp_min(torch.finfo(A.dtype).tiny).rsqrt()
-    A.mul_(s[:, None]).mul_(s[None, :])
-    L, info = torch.linalg.cholesky_ex(A)
-    if int(info) != 0:  # ill-conditioned even after scaling: this one solve in float64
-        X = torch.cholesky_solve((B * s[:, None]).double(), _cholesky(A.double(), what)).to(A.dtype)
-    else:
-        X = torch.cholesky_solve(B * s[:, None], L)
-    return X * s[:, None]
+        pivot = _factor(A)
+        if pivot:
+            raise _singular(what, pivot)
+        return _solve_factored(A, B)
+    spare = A.clone() if again is None else None
+    s = _jacobi(A)
+    if not _factor(A):
+        return _solve_factored(A, B * s[:, None]) * s[:, None]
+    # ill-conditioned even after scaling: this one solve in float64
+    A = spare if spare is not None else again()
+    _jacobi(A)
+    A = A.double()
+    pivot = _factor(A)
+    if pivot:
+        raise _singular(what, pivot)
+    return _solve_factored(A, (B * s[:, None]).double()).to(B.dtype) * s[:, None]
 
 
 def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """``W = (Y Zᵀ)(Z Zᵀ + diag(penalty))⁻¹`` given ``WH = Y Zᵀ`` ``[d, n]`` and ``H = Z Zᵀ``, in ``H``'s dtype."""
-    A = H.clone()  # H is reused by the caller; the damping goes on the diagonal in place
-    A.diagonal().add_(penalty.to(H.dtype))
-    return solve_spd(A, WH.T).T.to(WH.dtype)
+    """``W = (Y Zᵀ)(Z Zᵀ + diag(penalty))⁻¹`` given ``WH = Y Zᵀ`` ``[d, n]`` and ``H = Z Zᵀ``, in ``H``'s dtype.
+    ``H`` is kept (the caller reuses it): its damped copy is the one buffer the solve factorises."""
+    def system() -> torch.Tensor:
+        A = H.clone()
+        A.diagonal().add_(penalty.to(H.dtype))
+        return A
+
+    return solve_spd(system(), WH.T, again=system).T.to(WH.dtype)
 
 
 def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:
     """Least-squares refit using only input rows ``cols``: ``(Y Z_Kᵀ)(Z_K Z_Kᵀ + δI)⁻¹``."""
-    HK = H[cols][:, cols]
-    return ridge(WH[:, cols], HK, torch.full((len(cols),), delta, device=H.device))
+    penalty = torch.full((len(cols),), delta, device=H.device)
+
+    def system() -> torch.Tensor:
+        A = H[cols[:, None], cols]  # gathered in one step: no n_keep × n intermediate
+        A.diagonal().add_(penalty.to(H.dtype))
+        return A
+
+    return solve_spd(system(), WH[:, cols].T, again=system).T.to(WH.dtype)
 
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:

@@ -107,7 +107,8 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
         with onloader.layer(i) as layer:
             out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
-                            watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations)
+                            watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations,
+                            inputs=onloader.calibration)
             check_finite(X, f"layer {i}: the MLP inputs")
             mlp = adapter.get_mlp(layer)
             s = ChannelStats.of(mlp, X, chunk)
@@ -256,7 +257,8 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
                                          "are damaged; spap cannot prune them")
             # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP.
             out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
-                            device=onloader.device, store=onloader.activations, outputs=not propagate)
+                            device=onloader.device, store=onloader.activations, outputs=not propagate,
+                            inputs=onloader.calibration)
             check_finite(X, f"layer {i}: the MLP inputs")
             problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device, chunk=chunk,
                                       seed=seed, layer_index=i)

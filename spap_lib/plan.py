@@ -13,16 +13,18 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   (``cpu``: the rest waits in host memory; ``disk``: in the model files);
 * calibration activations while a layer is pruned: layer inputs and dense outputs (on the device only
   with ``offload="none"``; ``cpu``: in host memory, ``2·N·d·b``; ``disk``: in spill files), MLP inputs
-  ``X`` and (fitting methods) dense targets ``Y``: ``2·N·d·b``; plus one batch through the layer;
-* the layer's working set, which each method declares (``Method.working_set``). Fitting methods: the
-  Gram matrix, its damped copy and Cholesky factor ``3·(n+1)²·p``, the float32 product of one chunk
-  ``n²·4``, ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``, float32 copies of the dense and pruned MLP with Adam
-  state ``≈ 9·d·n·4``, one Gram chunk ``chunk·(n+2d)·4``;
+  ``X`` and (fitting methods) dense targets ``Y``, ``2·N·d·b`` (``cpu`` from a GPU: in pinned host memory,
+  streamed through the solver a chunk at a time);
+* the larger of one batch through the layer (the replay) and the layer's working set, which each method
+  declares (``Method.working_set``: its largest stage; for fitting methods the Gram matrix and the system
+  factorised in place, ``2·(n+1)²·p``, beside the float32 dense MLP and the solver's or Adam's state); the
+  update's start and best round wait in host memory (``Method.host_set``; a CPU's one memory);
 * evaluation: the logits of one window, ``eval_seqlen·V·b``, and the loss of 256 positions at a time
   in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device).
 
 Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``)
-plus the hidden states between layers (calibration or evaluation, whichever is larger); or
+plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
+they stream and ``Method.host_set``; or
 (``disk``) the embeddings/head, one layer and one batch of hidden states (the rest waits in spill
 files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host are one memory, so
 ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
@@ -92,7 +94,7 @@ class Plan:
     @property
     def prune_working_gb(self) -> float:
         """What pruning adds to the resident weights at its peak (activations, solver state, temporaries)."""
-        return sum(v for k, v in self.memory_gb.items() if k not in ("weights", "evaluation logits"))
+        return _working(self.memory_gb)
 
     def smallest_fit(self) -> str:
         """Where a run that does not fit would: the least device memory it needs (its leanest offload mode) and the
@@ -115,12 +117,25 @@ class Plan:
             rows.append(f"  disk for the pruned layers {size(self.disk_gb)}{free}")
         rows.append(f"  pruned checkpoint {size(self.checkpoint_gb)}")
         rows += [f"    {k:<28} {v:8.2f} GB" for k, v in self.memory_gb.items()]
+        if BATCH in self.memory_gb:
+            rows.append(f"    ({BATCH} and the method's parts take turns: the larger counts)")
         rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
         return "\n".join(rows)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
+
+
+BATCH = "one batch through a layer"  # the replay's, before and after a layer's solve: never beside the solver's
+
+
+def _working(memory: dict[str, float]) -> float:
+    """Pruning's peak beyond the weights: the calibration activations, and the larger of a batch through the layer
+    and the method's working set (the replay and the solve take turns)."""
+    solver = sum(v for k, v in memory.items() if k not in ("weights", "evaluation logits", "calibration activations",
+                                                             BATCH))
+    return memory.get("calibration activations", 0) + max(memory.get(BATCH, 0), solver)
 
 
 def size(gb: float) -> str:
@@ -244,29 +259,36 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
 
     # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
     resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
+    # MLP inputs X and (fitting methods) dense targets Y: on the device, but with offload "cpu" from a GPU in
+    # pinned host memory, streamed through the solver a chunk at a time (``Onloader.calibration``)
+    solver_inputs = (2 if fits_ls else 1) * N * d * b
+    streamed = gpu and offload == "cpu"
     memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
-              # layer inputs and outputs (resident only; offloaded they wait in host memory), MLP inputs X and
-              # (fitting methods) dense targets Y
-              "calibration activations": ((2 if resident else 0) + (2 if fits_ls else 1)) * N * d * b,
-              "one batch through a layer": batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
+              # layer inputs and outputs (resident only; offloaded they wait in host memory), X and Y
+              "calibration activations": (2 * N * d * b if resident else 0) + (0 if streamed else solver_inputs),
+              BATCH: batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
     memory.update(algo.working_set(shapes))  # the solver's (or a whole-model method's) own
+    kept = sum(algo.host_set(shapes).values())  # host memory: on a CPU the device's own
+    if not gpu:
+        memory.update(algo.host_set(shapes))
     memory["evaluation logits"] = eval_seqlen * V * b + min(LOSS_CHUNK, eval_seqlen) * V * 8  # + chunked loss
-    calib_peak = sum(v for k, v in memory.items() if k != "evaluation logits")
+    calib_peak = memory["weights"] + _working(memory)
     eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
     peak_device = max(calib_peak, eval_peak)
     # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
     hidden = 2 * N * d * b  # layer inputs and outputs between layers
     eval_hidden = eval_windows_n * eval_seqlen * d * b
     runtime = CUDA_RUNTIME_BYTES if gpu else RUNTIME_BYTES
+    on_host = kept + (solver_inputs if streamed else 0) if gpu else 0  # a CPU row has them in ``memory``
     if not gpu and resident:
         peak_host = peak_device = peak_device + runtime
     elif offload == "none":
-        peak_host = c["total"] * b + N * 8 + runtime
+        peak_host = c["total"] * b + N * 8 + runtime + on_host
     elif offload == "cpu":
-        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime
-    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files); on a CPU the
-        # device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(batch_size, 1) * seqlen * d * b * 2 + N * 8 + runtime
+        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime + on_host
+    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files); on a CPU the device
+        # terms are host memory too
+        peak_host = base_bytes + layer_bytes + max(batch_size, 1) * seqlen * d * b * 2 + N * 8 + runtime + on_host
         if not gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
     # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint; the
@@ -293,6 +315,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         # Layers onloaded 5 times (prune, dense and pruned perplexity, the two save checks), activations
         # copied in and out on every pass over a layer.
         moved = 5 * c["decoder"] * b + L * (2 * passes * N + 4 * eval_tokens) * d * b
+        if streamed:  # X and Y through the solver: the dense pass, the final refit, two norms of Y
+            moved += L * 4 * solver_inputs
         seconds["host <-> device copies (assumed 20 GB/s)"] = moved / (HOST_LINK_GB_S * GB)
     if offload == "disk":
         # Layers read 5 times; hidden states written once and read (1 + passes) times per layer and pass.

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .adapters import MLP
+from .linalg import rows
 
 
 @dataclass
@@ -46,12 +47,12 @@ class ChannelStats:
 
     @classmethod
     def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
-        n = mlp.width
-        z_sum = torch.zeros(n, dtype=torch.float64, device=X.device)
-        z_sq = torch.zeros(n, dtype=torch.float64, device=X.device)
+        n, device = mlp.width, mlp.W_out.device
+        z_sum = torch.zeros(n, dtype=torch.float64, device=device)
+        z_sq = torch.zeros(n, dtype=torch.float64, device=device)
         with torch.no_grad():
-            for start in range(0, X.shape[0], chunk):
-                Z = mlp.hidden(X[start:start + chunk].float()).double()
+            for start in range(0, X.shape[0], chunk):  # X may wait in host memory (``linalg.rows``)
+                Z = mlp.hidden(rows(X, start, start + chunk, device).float()).double()
                 z_sum += Z.sum(0)
                 z_sq += Z.pow(2).sum(0)
         return cls(X.shape[0], z_sum, z_sq)

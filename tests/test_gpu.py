@@ -10,6 +10,7 @@ import torch
 import spap_lib as sl
 from spap_lib.data import Calibration
 from spap_lib.models import Loaded, ModelSource
+from spap_lib.onload import Onloader
 
 pytestmark = pytest.mark.gpu
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
@@ -47,9 +48,10 @@ def test_spap_global_allocation_and_float32_on_cuda(windows):
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
-def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path):
-    """Weights in host memory (or read from disk), one layer at a time on the GPU: the same prune and
-    the same perplexity as with everything resident on the GPU."""
+def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, monkeypatch):
+    """Weights in host memory (or read from disk), one layer at a time on the GPU (with ``cpu``, the MLP inputs and
+    targets streamed from pinned host memory too): the same prune and the same perplexity as with everything
+    resident on the GPU."""
     from conftest import tiny_model
 
     from spap_lib.evaluate import perplexity_of_ids
@@ -59,7 +61,15 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path):
     windows = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
     calib = Calibration(windows, [0] * 4, "validation", "test", 1000, 0)
     ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(2))
-    runs = {}
+    runs, placed = {}, []
+    real = Onloader.calibration
+
+    def calibration(self, shape, dtype):  # where each layer's MLP inputs and targets waited
+        t = real(self, shape, dtype)
+        placed.append((self.mode, t.device.type, t.is_pinned()))
+        return t
+
+    monkeypatch.setattr(Onloader, "calibration", calibration)
     for offload in ("none", mode):
         loaded = sl.load(str(tmp_path / "m"), device="cuda", dtype="float32", offload=offload, spill_dir=tmp_path)
         report = sl.prune(loaded, calib, "spap", 0.2, hparams=FAST, progress=False)
@@ -68,6 +78,9 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path):
         sl.save(loaded, report, tmp_path / f"out-{offload}")
     assert runs[mode][0] == runs["none"][0]
     assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-4)
+    # X and Y on the GPU when resident and with disk offload; streamed from pinned host memory with cpu offload
+    where = {"none": ("cuda", False), "cpu": ("cpu", True), "disk": ("cuda", False)}
+    assert placed and all((device, pinned) == where[m] for m, device, pinned in placed), placed
 
 
 def test_the_compiled_decode_gives_the_eager_tokens_on_cuda():

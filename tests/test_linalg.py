@@ -86,6 +86,15 @@ def test_penalty_method_finds_planted_support(threshold):
     torch.testing.assert_close(W, W0[:, torch.cat([keep, keep.new_tensor([n])])])
 
 
+def _start(mlp, Y, H, YZ) -> dict:
+    """``alternating_update``'s starting error (from the Gram statistics of ``mlp``'s start) and precision."""
+    from spap_lib.linalg import sq_norm
+    from spap_lib.methods.spap import reconstruction_error
+
+    YY = sq_norm(Y)
+    return {"start_error": reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY, "dtype": H.dtype}
+
+
 def test_alternating_update_never_worse_and_improves():
     torch.manual_seed(0)
     d, n, N = 8, 24, 2000
@@ -95,7 +104,8 @@ def test_alternating_update_never_worse_and_improves():
     Y = dense(X)
     pruned = dense.select(torch.arange(0, n, 2))
     H, YZ = gram(pruned, X, 700, Y)
-    out, errors = alternating_update(pruned, X, Y, H, YZ, iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
+    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
+                                     iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
                                      damp=1e-6, chunk=700, seed=0)
     assert errors["final"] == min(errors["rounds"]) < 0.9 * errors["start"]
     err = float(((out(X) - Y) ** 2).sum() / (Y ** 2).sum())
@@ -124,7 +134,8 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     real_gram = spap_mod.gram
     monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
                         real_gram(m, X_, *a, **k))
-    out, errors = alternating_update(pruned, X, Y, H, YZ, iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
+    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
+                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
                                      damp=1e-6, chunk=700, seed=0, sketch_tokens=1000, low=True)
     assert passes == [(1000, True)] * 4 + [(3000, False)]
     err = float(((out(X) - Y).double() ** 2).sum() / (Y.double() ** 2).sum())
@@ -132,7 +143,8 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     assert errors["final"] < 0.9 * errors["start"]
     # the paper's update (every token, full precision): no extra pass, the best round's own error
     passes.clear()
-    _, exact = alternating_update(pruned, X, Y, H, YZ, iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
+    _, exact = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
+                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
                                   damp=1e-6, chunk=700, seed=0)
     assert passes == [(3000, False)] * 4 and exact["final"] == min(exact["rounds"])
 
@@ -142,7 +154,8 @@ def test_cheap_rounds_never_return_a_worse_layer():
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     start = pruned.clone()  # the update trains ``pruned`` in place
-    out, errors = alternating_update(pruned, X, Y, H, YZ, iters=2, adam_steps=5, lr=50.0, batch_tokens=512,
+    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
+                                     iters=2, adam_steps=5, lr=50.0, batch_tokens=512,
                                      damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True)
     assert errors["final"] == errors["start"]
     assert torch.equal(out.W_in[0], start.W_in[0]) and torch.equal(out.W_out, start.W_out)
@@ -224,8 +237,10 @@ def test_float32_solves_are_jacobi_scaled_and_match_float64():
     assert got.dtype == torch.float64 and torch.allclose(got, exact, rtol=1e-3, atol=1e-3 * exact.abs().max())
 
 
-def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch):
-    """When the float32 Cholesky reports a failed pivot, the same (scaled) system is solved in float64."""
+@pytest.mark.parametrize("entry", ["solve_spd", "ridge"])
+def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch, entry):
+    """When the float32 Cholesky reports a failed pivot, the same (scaled) system is solved in float64: rebuilt by
+    ``ridge`` (its factorisation overwrote the first), from a copy kept by ``solve_spd`` called alone."""
     from spap_lib import linalg
 
     g = torch.Generator().manual_seed(1)
@@ -233,15 +248,39 @@ def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch
     A, B = Z @ Z.T, torch.randn(6, 2, generator=g, dtype=torch.float64)
     real, calls = torch.linalg.cholesky_ex, []
 
-    def failing_in_float32(M):
+    def failing_in_float32(M, *, out):
         calls.append(M.dtype)
-        L, info = real(M)
-        return (L, torch.ones_like(info)) if M.dtype == torch.float32 else (L, info)
+        real(M, out=out)
+        if M.dtype == torch.float32:
+            out[1].fill_(1)
+        return out
 
     monkeypatch.setattr(torch.linalg, "cholesky_ex", failing_in_float32)
-    got = linalg.solve_spd(A.float().clone(), B.float())
+    if entry == "ridge":
+        got = linalg.ridge(B.float().T, A.float(), torch.zeros(6)).T
+    else:
+        got = linalg.solve_spd(A.float().clone(), B.float())
     assert calls == [torch.float32, torch.float64] and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), torch.linalg.solve(A, B), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_solves_factorise_in_place_with_the_numbers_of_a_copy(dtype):
+    """``solve_spd`` factorises the system in its own memory: the factor and the solution are those of
+    ``torch.linalg.cholesky`` on a copy and ``cholesky_solve``, to the bit (float32: of the same scaled system), for a
+    system symmetric to the bit (a Gram sum of float32 products is, on this CPU)."""
+    from spap_lib.linalg import solve_spd
+
+    g = torch.Generator().manual_seed(3)
+    Z = torch.randn(300, 90, generator=g, dtype=dtype) * torch.logspace(-2, 2, 90, dtype=dtype)
+    H, B = Z.T @ Z + (Z.T @ Z).T, torch.randn(90, 7, generator=g, dtype=dtype)  # symmetric to the bit
+    s = H.diagonal().rsqrt() if dtype == torch.float32 else torch.ones(90, dtype=dtype)
+    L = torch.linalg.cholesky(H * s[:, None] * s[None, :])  # the scaled system, factorised as a copy
+    expected = torch.cholesky_solve(B * s[:, None], L) * s[:, None]
+    A = H.clone()
+    got = solve_spd(A, B)
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.tril(A.mT), L)  # the factor, where the system was
 
 
 def test_spap_float32_keeps_the_float64_channels_on_a_layer(loaded, windows):
@@ -275,7 +314,8 @@ def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(m
     real_gram = spap_mod.gram
     monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: samples.append(X_.clone()) or
                         real_gram(m, X_, *a, **k))
-    out, errors = alternating_update(pruned, X, Y, H, YZ, iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
+    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
+                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
                                      damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True, resample=True)
     assert [len(x) for x in samples] == [500] * 4 + [3000]  # four sampled rounds, then the full refit
     seen = {tuple(row.tolist()) for x in samples[:4] for row in x}
@@ -293,3 +333,16 @@ def test_resampling_is_inert_for_gradient_descent():
         assert "sketch_resample" not in sl.get_method(method, **hparams).effective_hparams()
     assert sl.get_method("spap_gd", sketch_resample=True).effective_hparams() == \
         sl.get_method("spap", update="gd", sketch_resample=False).effective_hparams()
+
+
+def test_gram_blocks_sum_what_the_whole_product_does():
+    """``add_gram`` adds ``Zᵀ Z`` a block of rows at a time (the temporary is the size of ``Z``, not ``n × n``):
+    the same numbers as the whole product, in float32 and summed into float64."""
+    from spap_lib.linalg import add_gram
+
+    g = torch.Generator().manual_seed(4)
+    Z = torch.randn(37, 100, generator=g) * torch.logspace(-2, 2, 100)
+    for dtype in (torch.float32, torch.float64):
+        H = torch.ones(100, 100, dtype=dtype)
+        add_gram(H, Z)
+        assert torch.equal(H, torch.ones(100, 100, dtype=dtype) + (Z.T @ Z).to(dtype))

@@ -157,3 +157,46 @@ def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatc
     plan = sl.plan_sparsity(loaded.adapter, 0.2)
     sl.prune_model(loaded.model, loaded.adapter, windows, method, plan, device="cpu", progress=False)
     assert alive_at == {0: True, 1: False, 2: False}
+
+
+def test_mlp_inputs_are_written_into_the_store_a_batch_at_a_time(loaded, windows):
+    """``replay`` writes what the watched module sees into one tensor from ``inputs`` (an onloader's
+    ``calibration``), batch by batch: the rows of every batch, in order, also when the pass stops at the MLP."""
+    from spap_lib.capture import capture_inputs
+
+    ad = loaded.adapter
+    layer = ad.layers()[1]
+    hidden, kwargs = first_layer_inputs(loaded.model, ad.layers(), windows, batch_size=3, device="cpu")
+    with capture_inputs(ad.mlp_input_module(layer)) as seen, torch.no_grad():
+        for start in range(0, len(hidden), 3):
+            h = hidden[start:start + 3]
+            layer(h, **kwargs[h.shape[0]][1])
+    expected = torch.cat(seen)
+    stores = []
+
+    def store(shape, dtype):
+        stores.append(torch.full(shape, float("nan"), dtype=dtype))
+        return stores[-1]
+
+    for outputs in (True, False):
+        out, X = replay(layer, hidden, {b: kw[1] for b, kw in kwargs.items()}, 3, watch=ad.mlp_input_module(layer),
+                        outputs=outputs, inputs=store)
+        assert X is stores[-1] and torch.equal(X, expected) and (out is None) == (not outputs)
+    assert len(stores) == 2
+
+
+def test_a_copy_of_an_mlp_can_wait_elsewhere():
+    """``MLP.clone(device)`` copies (the update keeps its start and best round in host memory); ``MLP.to`` moves
+    without copying what is already there."""
+    from spap_lib.adapters import MLP
+
+    mlp = MLP([torch.randn(6, 4), torch.randn(6, 4)], [None, torch.randn(6)], torch.randn(4, 6), None,
+              torch.nn.functional.silu, glu=True)
+    copy = mlp.clone("cpu")
+    assert copy.W_out is not mlp.W_out and copy.W_out.data_ptr() != mlp.W_out.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip([*copy.W_in, copy.W_out, copy.b_in[1]],
+                                                [*mlp.W_in, mlp.W_out, mlp.b_in[1]]))
+    assert copy.b_in[0] is None and copy.b_out is None
+    assert mlp.to("cpu").W_out.data_ptr() == mlp.W_out.data_ptr()
+    x = torch.randn(5, 4)
+    assert torch.equal(copy(x), mlp(x))

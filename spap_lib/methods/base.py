@@ -16,7 +16,7 @@ import torch
 from .. import allocation as alloc
 from ..adapters import MLP
 from ..checks import ParameterError, check_fields, scalar
-from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, resolve_precision
+from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, outputs, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class LayerProblem:
     def of(cls, method: "Method", dense: MLP, X: torch.Tensor, n_remove: int, device=None, **kw) -> "LayerProblem":
         """The problem as ``method`` will see it: Gram sums and solves in its precision resolved for
         ``device`` (default: that of ``X``), and its targets computed in the Gram pass when it uses them."""
-        precision = resolve_precision(method.precision, X.device if device is None else device)
+        precision = resolve_precision(method.precision, dense.W_out.device if device is None else device)
         return cls(dense, X, n_remove, dtype=PRECISIONS[precision], targets=method.uses_targets, **kw)
 
     @property
@@ -86,7 +86,7 @@ class LayerProblem:
         if self.targets and "H" not in self.__dict__:
             self._dense_pass()
             return self.__dict__["Y"]
-        return torch.cat([self.dense(x.float()).to(self.X.dtype) for x in self.X.split(self.chunk)])
+        return outputs(self.dense, self.X, self.chunk)
 
     @cached_property
     def H(self) -> torch.Tensor:
@@ -103,6 +103,12 @@ class LayerProblem:
         H, Y = gram_and_outputs(self.dense, self.X, self.chunk, dtype=self.dtype)
         check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
         self.__dict__.update(H=H, Y=Y)
+
+    def release_gram(self) -> None:
+        """Drop the dense Gram matrix once the method is done with it: ``n²`` numbers, a layer's largest state
+        (3 GB at a 70B layer's n = 28,672 in float32). An update that accumulates its own Gram matrices then
+        holds two such buffers on the device at a time, not three."""
+        self.__dict__.pop("H", None)
 
     @property
     def nothing_to_fit(self) -> bool:
@@ -244,15 +250,39 @@ class Method:
         return {"dense Gram pass": {"fp32": gram + targets}, "refit solve": {"solve": solve_flops(s.n + 1, s.d)}}
 
     def working_set(self, s: Shapes) -> dict[str, float]:
-        """Bytes the method holds on the device while it prunes one layer, beyond the weights and the
-        calibration activations: for a fitting method the Gram matrix, its damped copy and Cholesky factor
-        ``3·(n+1)²·p`` and the float32 product of one chunk ``n²·4``; ``Y Zᵀ``/``W Zᵀ``/``W`` ``3·d·n·p``, float32
-        copies of the dense and pruned MLP with Adam state ``≈ 9·d·n·4``, one Gram chunk ``chunk·(n+2d)·4``."""
+        """Bytes the method holds on the device while it prunes one layer, beyond the weights and the calibration
+        activations: the parts of its largest stage (the stages run one after another; only the dense MLP, float32
+        ``(in_proj+1)·d·n·4``, lives through all of them). ``c`` tokens per chunk, ``k = n_keep``:
+
+        * the dense pass: the Gram matrix ``(n+1)²·p``; a chunk's activations (at most the input projections'
+          outputs, the activation and ``Z``; then ``Z`` and its block of ``Zᵀ Z``, ``linalg.add_gram``) and its
+          inputs and targets, ``c·((in_proj+2)·n + 2d)·4``;
+        * the solves: the Gram matrix and the damped system factorised in place, ``2·(n+1)²·p``
+          (``linalg.solve_spd``); ``Y Zᵀ``, ``W`` and the right-hand sides ``3·d·(n+1)·p``;
+        * the update's rounds (``uses_targets``; the dense Gram released): a round's Gram matrix and its system
+          ``2·(k+1)²·p``, ``Y Zᵀ`` and ``W`` ``2·d·(k+1)·p``, the pruned MLP with its gradients and Adam's two moments
+          ``(4·in_proj+1)·d·k·4``, a chunk at width ``k``."""
         if not self.fits:
             return {}
-        return {"Gram + factor (3 n²)": 3 * (s.n + 1) ** 2 * s.p + s.n * s.n * 4,
-                "solver matrices, MLP copies": 3 * s.d * s.n * s.p + 9 * s.d * s.n * 4
-                + min(s.chunk, s.N) * (s.n + 2 * s.d) * 4}
+        m, c, k = s.in_proj, min(s.chunk, s.N), s.n_keep
+        dense = {"dense MLP (float32)": (m + 1) * s.d * s.n * 4}
+        stages = {
+            "dense pass": {"Gram matrix": (s.n + 1) ** 2 * s.p,
+                           "a chunk and its Gram block": c * ((m + 2) * s.n + 2 * s.d) * 4},
+            "solves": {"Gram matrix + factor (2 n², in place)": 2 * (s.n + 1) ** 2 * s.p,
+                       "Y Zᵀ, W, right-hand sides": 3 * s.d * (s.n + 1) * s.p}}
+        if self.uses_targets:
+            stages["update rounds"] = {"a round's Gram matrix + factor": 2 * (k + 1) ** 2 * s.p,
+                                       "Y Zᵀ, W": 2 * s.d * (k + 1) * s.p,
+                                       "pruned MLP, gradients, Adam moments": (4 * m + 1) * s.d * k * 4,
+                                       "a chunk and its Gram block": c * ((m + 2) * k + 2 * s.d) * 4}
+        stage = max(stages, key=lambda name: sum(stages[name].values()))
+        return dense | {f"{part} ({stage})": v for part, v in stages[stage].items()}
+
+    def host_set(self, s: Shapes) -> dict[str, float]:
+        """Bytes the method keeps in host memory while it prunes a layer (a CPU's one memory: its device's too): the
+        update's start and best round (``best_round``), float32 copies of the pruned MLP."""
+        return {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4} if self.uses_targets else {}
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -73,6 +73,7 @@ from ..linalg import (
     products,
     resolve_precision,
     ridge,
+    rows,
     sq_norm,
 )
 from ..stats import ChannelStats
@@ -159,9 +160,14 @@ def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
 
 
 def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
-    """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``."""
-    W = W.double()  # in float64 whatever the precision: a difference of large, nearly equal terms
-    return float(YY - 2 * (W * YZ.double()).sum() + ((W @ H.double()) * W).sum())
+    """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``, in float64 whatever the precision
+    (a difference of large, nearly equal terms). ``H`` goes to float64 a block of columns at a time, each block
+    no larger than ``W``'s own float64 copy: never a float64 copy of the whole ``n × n`` matrix."""
+    W = W.double()
+    block = W.shape[0]
+    quadratic = sum(float(((W @ H[:, j:j + block].double()) * W[:, j:j + block]).sum())
+                    for j in range(0, H.shape[1], block))
+    return float(YY - 2 * (W * YZ.double()).sum()) + quadratic
 
 
 @contextmanager
@@ -196,10 +202,12 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
                   steps: int, batch_tokens: int, low: bool = False) -> None:
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
     (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
+    device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
     for _ in range(steps):
         idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
-        with products(low, X.device):
-            loss = torch.nn.functional.mse_loss(mlp(X[idx].float()).float(), Y[idx].float())
+        x, y = X[idx].to(device, non_blocking=True), Y[idx].to(device, non_blocking=True)
+        with products(low, device):
+            loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -222,17 +230,20 @@ def best_round(mlp: MLP, iters: int, step: Callable[[MLP], float], *, start_erro
     ``iters`` times and keep the round of lowest error. When the rounds were not ``exact`` (a token
     sample or bf16 products), ``full_error`` then measures that round on every token at the method's
     precision (refitting what the rounds fitted), and the start wins if it is no worse: the update never
-    makes a layer worse on its calibration data."""
-    start = mlp.clone()
+    makes a layer worse on its calibration data. The start and the best round wait in host memory: on a GPU
+    the device holds the MLP being trained and its optimiser state, not three copies of it."""
+    device = mlp.W_out.device
+    start = mlp.clone("cpu")
     best_error, best = (start_error, start) if exact else (float("inf"), start)
     rounds = []
     for _ in range(iters):
         rounds.append(step(mlp))
         if rounds[-1] < best_error:
-            best_error, best = rounds[-1], mlp.clone()
-    final = best_error if exact or best is start else full_error(best)
+            best_error, best = rounds[-1], mlp.clone("cpu")
+    improved, best = best is not start, best.to(device)
+    final = full_error(best) if improved and not exact else best_error  # full_error refits ``best`` in place
     if final >= start_error:
-        best, final = start, start_error
+        best, final = start.to(device), start_error
     return best, {"start": start_error, "rounds": rounds, "final": final}
 
 
@@ -240,9 +251,9 @@ def alternating_update(
     mlp: MLP,
     X: torch.Tensor,
     Y: torch.Tensor,
-    H: torch.Tensor,
-    YZ: torch.Tensor,
     *,
+    start_error: float,
+    dtype: torch.dtype,
     iters: int,
     adam_steps: int,
     lr: float,
@@ -257,8 +268,9 @@ def alternating_update(
 ) -> tuple[MLP, dict]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
-    ``H`` and ``YZ`` are ``Z̃ Z̃ᵀ`` and ``Y Z̃ᵀ`` of the starting point (known from the penalty stage).
-    Cheap rounds (deviations): each round's closed form and error use ``sketch_tokens`` tokens
+    ``start_error`` is the starting point's relative error (known from the penalty stage's statistics, which
+    the caller may then free); ``dtype`` is the method's precision, of every Gram sum and solve. Cheap rounds
+    (deviations): each round's closed form and error use ``sketch_tokens`` tokens
     (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best round's output
     projection is then refitted once on every token at the method's precision (``best_round``). With
     ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
@@ -266,10 +278,10 @@ def alternating_update(
     forward pass on the first sample. Returns the MLP and the relative calibration errors of the start,
     of every round (on the rounds' data) and of the result.
     """
-    YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
-    n, dtype = mlp.width, H.dtype
+    n, device = mlp.width, mlp.W_out.device
+    YY = max(sq_norm(Y, chunk, device), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     Xr, Yr = subsample(X, Y, sketch_tokens, seed)
-    YYr = YY if Xr is X else max(sq_norm(Yr, chunk), torch.finfo(torch.float64).tiny)
+    YYr = YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
     # gate/up (fc1) weights and biases; one optimiser for all rounds: its moments carry over
     W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -291,12 +303,12 @@ def alternating_update(
             return closed_form(m, Xr, Yr, YYr, low)
         Xs, Ys = subsample(X, Y, sketch_tokens, seed + next(draws))
         closed_form(m, Xs, Ys, 1.0, low)
-        with products(low, X.device):
+        with products(low, device):
             return calibration_error(m, Xr, Yr, chunk) / YYr
 
     with trainable(W_in):
-        return best_round(mlp, iters, one_round, start_error=reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY,
-                          exact=Xr is X and not low, full_error=lambda m: closed_form(m, X, Y, YY, False))
+        return best_round(mlp, iters, one_round, start_error=start_error, exact=Xr is X and not low,
+                          full_error=lambda m: closed_form(m, X, Y, YY, False))
 
 
 def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
@@ -468,18 +480,28 @@ class SPAP(Method):
                         seed=problem.seed + problem.layer_index, sketch_tokens=self.sketch_tokens,
                         low=self.update_precision == "bf16")
             if self.update == "gd":
+                problem.release_gram()
                 mlp, errors = gradient_update(mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps,
                                               **adam)
             else:
-                # Statistics of the starting point from the dense Gram: the kept rows (+ the ones row).
-                cols = with_bias(keep, problem.dense.width, problem.has_bias)
-                H = problem.H[cols][:, cols]
-                YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
-                mlp, errors = alternating_update(mlp, problem.X, problem.Y, H, YZ, iters=self.am_iters,
-                                                 adam_steps=self.adam_steps, damp=self.damp,
-                                                 resample=self.sketch_resample, **adam)
+                start_error = self.start_error(problem, keep, mlp)
+                problem.release_gram()  # the rounds accumulate their own
+                mlp, errors = alternating_update(mlp, problem.X, problem.Y, start_error=start_error,
+                                                 dtype=problem.dtype, iters=self.am_iters, adam_steps=self.adam_steps,
+                                                 damp=self.damp, resample=self.sketch_resample, **adam)
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
+
+    @staticmethod
+    def start_error(problem: LayerProblem, keep: torch.Tensor, mlp: MLP) -> float:
+        """The relative calibration error of the pruned ``mlp`` (channels ``keep``, its output projection refitted)
+        from the dense Gram matrix: its kept rows (+ the ones row), and ``Y Z̃ᵀ = W₀ H`` on them. ``Y Z̃ᵀ`` comes
+        first, so that at most one gathered block sits beside ``H`` at a time."""
+        cols = with_bias(keep, problem.dense.width, problem.has_bias)
+        YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
+        H = problem.H[cols[:, None], cols]
+        YY = max(sq_norm(problem.Y, problem.chunk, mlp.W_out.device), torch.finfo(torch.float64).tiny)
+        return reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY
 
     def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats) -> list[tuple[int, float]]:
         """``(r, e)``: the dense layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
@@ -487,7 +509,7 @@ class SPAP(Method):
         score on the layer's dense statistics ``stats`` (``allocation_scores``; the penalty method: its first
         s-step), and the kept columns are refitted by least squares (one solve per point; update ``none``: the
         dense weights). The "error" allocation spends the budget where these curves are flattest."""
-        precision = resolve_precision(self.precision, X.device)
+        precision = resolve_precision(self.precision, mlp.W_out.device)
         with matmul_precision(precision):
             H = gram(mlp, subsample(X, X, self.error_tokens, seed=0)[0], chunk, dtype=PRECISIONS[precision])
         check_finite(H, "the error curve's Gram matrix entries")
@@ -523,8 +545,10 @@ class SPAPNoUpdate(SPAP):
 
 @torch.no_grad()
 def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
-    return sum(float((mlp(x.float()) - y.float()).double().pow(2).sum())
-               for x, y in zip(X.split(chunk), Y.split(chunk)))
+    """``‖Y − mlp(X)‖²`` a chunk of tokens at a time on the MLP's device."""
+    device = mlp.W_out.device
+    return sum(float((mlp(rows(X, s, s + chunk, device).float()) - rows(Y, s, s + chunk, device).float())
+                     .double().pow(2).sum()) for s in range(0, X.shape[0], chunk))
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
@@ -533,15 +557,16 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, 
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps (on the same token sample and in the same precision as
     ``alternating_update``'s rounds) and returning the best iterate (``best_round``)."""
-    YY = max(sq_norm(Y, chunk), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
+    device = mlp.W_out.device
+    YY = max(sq_norm(Y, chunk, device), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
     Xr, Yr = subsample(X, Y, sketch_tokens, seed)
-    YYr = YY if Xr is X else max(sq_norm(Yr, chunk), torch.finfo(torch.float64).tiny)
+    YYr = YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
     params, opt = adam([*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out], lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def one_round(m: MLP) -> float:
         adam_steps_on(m, X, Y, opt, gen, steps, batch_tokens, low)
-        with products(low, X.device):
+        with products(low, device):
             return calibration_error(m, Xr, Yr, chunk) / YYr
 
     with trainable(params):
