@@ -189,8 +189,6 @@ class Onloader:
 
     mode: ClassVar[str] = "none"
     streams: ClassVar[bool] = False  # whether hidden states wait off the device between layers
-    # whether a layer's MLP inputs and targets wait in host memory while a GPU prunes it (``calibration``)
-    inputs_on_host: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, device: torch.device):
         self.model, self.layers, self.device = model, layers, torch.device(device)
@@ -204,9 +202,10 @@ class Onloader:
     def calibration(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Room for a layer's MLP inputs ``X`` ``[N, d]`` (and, beside them, its dense targets ``Y``), which every
         pass of the solver reads a chunk at a time (``linalg.rows``): on the device, or in pinned host memory
-        (``inputs_on_host``: offload ``cpu`` from a GPU; at 128 × 2048 tokens of a 70B model, 8 GB that the device
-        then does not hold; pinned, so each chunk's copy runs at the link's full rate)."""
-        if not self.inputs_on_host or self.device.type != "cuda":
+        where the weights are offloaded from a GPU (at 128 × 2048 tokens of a 70B model, 8 GB that the device
+        then does not hold; pinned, so each chunk's copy runs at the link's full rate). Not in spill files with
+        ``disk``: Adam's mini-batches gather random rows."""
+        if not self.streams or self.device.type != "cuda":
             return torch.empty(shape, dtype=dtype, device=self.device)
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
@@ -238,7 +237,6 @@ class HostOffload(Onloader):
 
     mode = "cpu"
     streams = True
-    inputs_on_host = True
 
     @contextmanager
     def layer(self, i: int):
@@ -271,8 +269,6 @@ class DiskOffload(HostOffload):
 
     mode = "disk"
     streams = True
-    # host memory is what disk offload saves: X and Y stay on the device
-    inputs_on_host = False
 
     def __init__(self, model, layers, device, store, dtype: torch.dtype, spill_dir: str | os.PathLike | None = None):
         super().__init__(model, layers, device)

@@ -13,7 +13,7 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   (``cpu``: the rest waits in host memory; ``disk``: in the model files);
 * calibration activations while a layer is pruned: layer inputs and dense outputs (on the device only
   with ``offload="none"``; ``cpu``: in host memory, ``2·N·d·b``; ``disk``: in spill files), MLP inputs
-  ``X`` and (fitting methods) dense targets ``Y``, ``2·N·d·b`` (``cpu`` from a GPU: in pinned host memory,
+  ``X`` and (fitting methods) dense targets ``Y``, ``2·N·d·b`` (offloaded from a GPU: in pinned host memory,
   streamed through the solver a chunk at a time);
 * the larger of one batch through the layer (the replay) and the layer's working set, which each method
   declares (``Method.working_set``: its largest stage; for fitting methods the Gram matrix and the system
@@ -116,7 +116,8 @@ class Plan:
             free = f" of {size(self.disk_free_gb)} free" if self.disk_free_gb is not None else ""
             rows.append(f"  disk for the pruned layers {size(self.disk_gb)}{free}")
         rows.append(f"  pruned checkpoint {size(self.checkpoint_gb)}")
-        rows += [f"    {k:<28} {v:8.2f} GB" for k, v in self.memory_gb.items()]
+        w = max(28, *map(len, self.memory_gb))
+        rows += [f"    {k:<{w}} {v:8.2f} GB" for k, v in self.memory_gb.items()]
         if BATCH in self.memory_gb:
             rows.append(f"    ({BATCH} and the method's parts take turns: the larger counts)")
         rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
@@ -259,10 +260,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
 
     # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
     resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
-    # MLP inputs X and (fitting methods) dense targets Y: on the device, but with offload "cpu" from a GPU in
-    # pinned host memory, streamed through the solver a chunk at a time (``Onloader.calibration``)
+    # MLP inputs X and (fitting methods) dense targets Y: on the device, but offloaded from a GPU in pinned host
+    # memory, streamed through the solver a chunk at a time (``Onloader.calibration``)
     solver_inputs = (2 if fits_ls else 1) * N * d * b
-    streamed = gpu and offload == "cpu"
+    streamed = gpu and not resident
     memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
               # layer inputs and outputs (resident only; offloaded they wait in host memory), X and Y
               "calibration activations": (2 * N * d * b if resident else 0) + (0 if streamed else solver_inputs),
@@ -286,8 +287,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         peak_host = c["total"] * b + N * 8 + runtime + on_host
     elif offload == "cpu":
         peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime + on_host
-    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files); on a CPU the device
-        # terms are host memory too
+    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files), X and Y; on a CPU
+        # the device terms are host memory too
         peak_host = base_bytes + layer_bytes + max(batch_size, 1) * seqlen * d * b * 2 + N * 8 + runtime + on_host
         if not gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])

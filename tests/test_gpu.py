@@ -49,8 +49,8 @@ def test_spap_global_allocation_and_float32_on_cuda(windows):
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
 def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, monkeypatch):
-    """Weights in host memory (or read from disk), one layer at a time on the GPU (with ``cpu``, the MLP inputs and
-    targets streamed from pinned host memory too): the same prune and the same perplexity as with everything
+    """Weights in host memory (or read from disk), one layer at a time on the GPU, the MLP inputs and targets
+    streamed from pinned host memory: the same prune and the same perplexity as with everything
     resident on the GPU."""
     from conftest import tiny_model
 
@@ -78,8 +78,8 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, 
         sl.save(loaded, report, tmp_path / f"out-{offload}")
     assert runs[mode][0] == runs["none"][0]
     assert runs[mode][1] == pytest.approx(runs["none"][1], rel=1e-4)
-    # X and Y on the GPU when resident and with disk offload; streamed from pinned host memory with cpu offload
-    where = {"none": ("cuda", False), "cpu": ("cpu", True), "disk": ("cuda", False)}
+    # X and Y on the GPU when resident; offloaded, streamed from pinned host memory
+    where = {"none": ("cuda", False), "cpu": ("cpu", True), "disk": ("cpu", True)}
     assert placed and all((device, pinned) == where[m] for m, device, pinned in placed), placed
 
 
