@@ -99,12 +99,17 @@ def returning(layers: nn.ModuleList, final: torch.Tensor):
 
 
 @torch.no_grad()
-def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume) -> None:
+def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume, spans=None) -> None:
     """The model's logits for every window ``[n, seqlen]``, computed one decoder layer at a time over
-    all windows (``onloader``: where the weights wait); ``consume(i, logits)`` gets window ``i``'s.
+    all windows (``onloader``: where the weights wait); ``consume(i, s, logits)`` gets window ``i``'s
+    ``[1, e − s, V]`` for each span ``(s, e)`` of positions in ``spans`` (default: the whole window).
 
     The same operations as ``model(window)`` in the same order, batch 1: equal results, with only one
-    layer's weights and the windows' hidden states (in host memory) alive.
+    layer's weights and the windows' hidden states (in host memory) alive. Each span is one more call of the
+    model's own forward (its final norm, head and any logit soft-capping) with ``logits_to_keep`` set to the
+    span's positions: the decoder layers only hand back the window's final hidden states, so a span costs its
+    own share of the head, and the logits alive are one span's, not a window's (1.2 GB at 2048 positions of a
+    152k vocabulary in float32).
     """
     layers, device = onloader.layers, onloader.device
     with onloader.base():
@@ -113,10 +118,14 @@ def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume) 
         with onloader.layer(i) as layer:
             hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1, device=device,
                             store=onloader.activations)[0]
+    spans = spans or [(0, windows.shape[1])]
     with onloader.base():
         for w in range(windows.shape[0]):
             with returning(layers, hidden[w:w + 1]):
-                consume(w, model(input_ids=windows[w:w + 1].to(device), use_cache=False).logits)
+                for s, e in spans:
+                    keep = torch.arange(s, e, device=device) if (s, e) != (0, windows.shape[1]) else 0
+                    consume(w, s, model(input_ids=windows[w:w + 1].to(device), use_cache=False,
+                                        logits_to_keep=keep).logits)
 
 
 def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:

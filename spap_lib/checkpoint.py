@@ -65,7 +65,7 @@ def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) 
 @torch.no_grad()
 def _streamed_sample_logits(model, onloader, sample: torch.Tensor) -> torch.Tensor:
     out = []
-    streamed_logits(model, onloader, sample, lambda _i, logits: out.append(logits))
+    streamed_logits(model, onloader, sample, lambda _i, _s, logits: out.append(logits))
     return out[0]
 
 

@@ -33,27 +33,29 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
         raise ParameterError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
     if max_windows is not None:
         n = min(n, int(max_windows))
-    losses = []
+    # Position spans: a float32 copy and log-softmax of a whole window's logits would add 2x its size (2.5 GB at
+    # 2048 tokens and a 152k vocabulary) to the evaluation's peak; streamed, only one span's logits exist at all.
+    spans = [(s, min(s + LOSS_CHUNK, seqlen - 1)) for s in range(0, seqlen - 1, LOSS_CHUNK)]
+    sums = [0.0] * n
 
-    def nll(i: int, logits: torch.Tensor) -> None:
-        x = ids[i * seqlen:(i + 1) * seqlen].to(logits.device)
-        # Position chunks: a float32 copy and log-softmax of a whole window's logits would add 2x its
-        # size (2.5 GB at 2048 tokens and a 152k vocabulary) to the evaluation's peak.
-        total = sum(float(torch.nn.functional.cross_entropy(logits[0, s:min(s + LOSS_CHUNK, seqlen - 1)].float(),
-                                                            x[s + 1:s + 1 + LOSS_CHUNK], reduction="sum"))
-                    for s in range(0, seqlen - 1, LOSS_CHUNK))
-        loss = total / (seqlen - 1)
-        if not math.isfinite(loss):
-            raise NumericalError(f"window {i} of ppl@{seqlen}: the loss is {loss} (NaN/Inf logits): the model is "
-                                 "numerically broken; its perplexity would be meaningless")
-        losses.append(loss)
+    def add(i: int, s: int, logits: torch.Tensor) -> None:
+        """Window ``i``'s summed next-token loss over positions ``s, …`` (``logits [1, positions, V]``)."""
+        start = i * seqlen + s + 1
+        x = ids[start:start + logits.shape[1]].to(logits.device)
+        sums[i] += float(torch.nn.functional.cross_entropy(logits[0].float(), x, reduction="sum"))
+        if s + logits.shape[1] == seqlen - 1 and not math.isfinite(sums[i]):  # the window's last span
+            raise NumericalError(f"window {i} of ppl@{seqlen}: the loss is {sums[i] / (seqlen - 1)} (NaN/Inf logits): "
+                                 "the model is numerically broken; its perplexity would be meaningless")
 
     if onloader is not None and onloader.streams:
-        streamed_logits(model, onloader, ids[:n * seqlen].reshape(n, seqlen), nll)
+        streamed_logits(model, onloader, ids[:n * seqlen].reshape(n, seqlen), add, spans=spans)
     else:
         device = device or next(model.parameters()).device
         for i in tqdm(range(n), desc=f"ppl@{seqlen}", disable=not progress):
-            nll(i, model(input_ids=ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device), use_cache=False).logits)
+            logits = model(input_ids=ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device), use_cache=False).logits
+            for s, e in spans:
+                add(i, s, logits[:, s:e])
+    losses = [total / (seqlen - 1) for total in sums]
     return {"ppl": math.exp(sum(losses) / n), "seqlen": seqlen, "windows": n,
             "all_windows": n == ids.numel() // seqlen}
 

@@ -20,7 +20,8 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   factorised in place, ``2·(n+1)²·p``, beside the float32 dense MLP and the solver's or Adam's state); the
   update's start and best round wait in host memory (``Method.host_set``; a CPU's one memory);
 * evaluation: the logits of one window, ``eval_seqlen·V·b``, and the loss of 256 positions at a time
-  in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device).
+  in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device, and the logits of one span of
+  256 positions at a time, ``256·V·b``: ``capture.streamed_logits``).
 
 Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``)
 plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
@@ -272,7 +273,9 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     kept = sum(algo.host_set(shapes).values())  # host memory: on a CPU the device's own
     if not gpu:
         memory.update(algo.host_set(shapes))
-    memory["evaluation logits"] = eval_seqlen * V * b + min(LOSS_CHUNK, eval_seqlen) * V * 8  # + chunked loss
+    # a window's logits and the float32 loss of one span of positions; streamed, only one span's logits exist
+    span = min(LOSS_CHUNK, eval_seqlen)
+    memory["evaluation logits"] = (eval_seqlen if resident else span) * V * b + span * V * 8
     calib_peak = memory["weights"] + _working(memory)
     eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
     peak_device = max(calib_peak, eval_peak)

@@ -204,3 +204,22 @@ def test_a_plan_that_does_not_fit_names_the_offload(checkpoint, monkeypatch):
         sl.check_run(str(checkpoint), method="spap", sparsity=0.2, nsamples=4, seqlen=16, offload="none")
     with pytest.raises(ParameterError, match="does not fit with offload='disk'.*a spill_dir on a larger disk"):
         sl.check_run(str(checkpoint), method="spap", sparsity=0.2, nsamples=4, seqlen=16, offload="auto")
+
+
+@pytest.mark.parametrize("mode", ["cpu", "disk"])
+def test_streamed_perplexity_holds_one_span_of_logits(checkpoint, tmp_path, mode, monkeypatch):
+    """Offloaded, the evaluation asks the model's head for one span of positions at a time (``logits_to_keep``),
+    never a window's logits; the perplexity is the resident one's."""
+    from spap_lib import evaluate
+
+    monkeypatch.setattr(evaluate, "LOSS_CHUNK", 5)
+    ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(2))
+    resident = load(str(checkpoint), device="cpu")
+    expected = perplexity_of_ids(resident.model, ids, 24, progress=False)["ppl"]
+    loaded = load(str(checkpoint), device="cpu", offload=mode, spill_dir=tmp_path)
+    positions = []
+    hook = loaded.model.get_output_embeddings().register_forward_hook(lambda m, a, out: positions.append(out.shape[1]))
+    got = perplexity_of_ids(loaded.model, ids, 24, onloader=loaded.onloader, progress=False)["ppl"]
+    hook.remove()
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert positions == [5, 5, 5, 5, 3] * 4  # 4 windows of 24: spans of 5 positions over the 23 with a target
