@@ -71,7 +71,7 @@ class LayerProblem:
     @classmethod
     def of(cls, method: "Method", dense: MLP, X: torch.Tensor, n_remove: int, device=None, **kw) -> "LayerProblem":
         """The problem as ``method`` will see it: Gram sums and solves in its precision resolved for
-        ``device`` (default: that of ``X``), and its targets computed in the Gram pass when it uses them."""
+        ``device`` (default: the dense MLP's), and its targets computed in the Gram pass when it uses them."""
         precision = resolve_precision(method.precision, dense.W_out.device if device is None else device)
         return cls(dense, X, n_remove, dtype=PRECISIONS[precision], targets=method.uses_targets, **kw)
 
