@@ -61,7 +61,7 @@ def main(argv=None) -> None:
                    round((first["peak_rss_mb"] - first["rss_before_mb"]) / 1024, 3),
                "resident before GB": round(mem["rss_before_mb"] / 1024, 3),
                "predicted weights GB": p.memory_gb["weights"],
-               "predicted prune s": round(p.total_seconds - p.seconds["perplexity (dense + pruned)"]),
+               "predicted prune s": round(p.prune_seconds),
                "measured prune s": round(report["seconds"]), "command": command, "revision": git_revision(),
                "note": args.note}
         table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)

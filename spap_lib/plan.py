@@ -31,9 +31,13 @@ files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host
 ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage (a method's own stages from ``Method.cost``) divided by a
-throughput table (``throughput.json``: this machine's rates are measured by ``bench/throughput.py``; GPU rates are
-spec-sheet assumptions until measured). A model of compute only: transfers and Python overhead are
-not in it, so it is a lower bound where those dominate (tiny models).
+throughput table (``throughput.json``: rates measured by ``bench/throughput.py`` on one large product or
+factorisation; the RTX 4090's are spec-sheet assumptions). On a GPU a method's own stages reach a fraction of
+those rates (``achieved``) and pay ``step_seconds`` per sequential step (a chunk, a solve, an Adam step:
+launches and a synchronisation); an offloaded prune pays its onloads and hidden-state copies over pageable host
+memory (``pageable_copy_gb_s``) and X/Y streamed from pinned memory. The H100's terms are fitted to measured
+layers, and ``bench/plan_times.py`` shows every measured layer (GPU and CPU) beside its prediction; a CPU reaches
+its measured rates.
 """
 from __future__ import annotations
 
@@ -87,10 +91,17 @@ class Plan:
     disk_free_gb: float | None = None
     checkpoint_gb: float = 0.0  # the pruned checkpoint on disk
     least_device_gb: float | None = None  # the least device memory any offload mode needs (offload "auto")
+    layers: int = 0  # decoder layers: ``seconds`` / ``layers`` is a layer's time
+    method_stages: tuple[str, ...] = ()  # the stages of ``seconds`` the method declares (``Method.cost``)
 
     @property
     def total_seconds(self) -> float:
         return sum(self.seconds.values())
+
+    @property
+    def prune_seconds(self) -> float:
+        """The prune's own time: every stage but the perplexities and the save checks after it."""
+        return sum(v for k, v in self.seconds.items() if k not in (PERPLEXITY, SAVE_CHECKS))
 
     @property
     def prune_working_gb(self) -> float:
@@ -121,7 +132,8 @@ class Plan:
         rows += [f"    {k:<{w}} {v:8.2f} GB" for k, v in self.memory_gb.items()]
         if BATCH in self.memory_gb:
             rows.append(f"    ({BATCH} and the method's parts take turns: the larger counts)")
-        rows.append(f"  time {_duration(self.total_seconds)} (compute only; rates: {self.throughput_source})")
+        rows.append(f"  time {_duration(self.total_seconds)}, the prune {_duration(self.prune_seconds)} "
+                    f"(rates: {self.throughput_source})")
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
         return "\n".join(rows)
 
@@ -238,14 +250,16 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
 # for SmolLM2-135M in every offload mode).
 RUNTIME_BYTES = 0.5 * 2**30
 CUDA_RUNTIME_BYTES = 2.0 * 2**30
-HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective); assumed, not measured
+HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective) where a throughput row has no measured rate
 DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
+PERPLEXITY, SAVE_CHECKS = "perplexity (dense + pruned)", "save and reload check"  # after the prune
 
 
 def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: int, seqlen: int, eval_seqlen: int,
               eval_windows: int | None, device: str, dtype: str, batch_size: int, chunk: int,
               device_memory_gb: float | None, host_memory_gb: float | None, disk_free_gb: float | None) -> Plan:
-    rates = THROUGHPUT[device]["flops_per_second"]
+    row = THROUGHPUT[device]
+    rates = row["flops_per_second"]
     gpu = not device.startswith("cpu")
     b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     precision = resolve_precision(algo.precision, "cuda" if gpu else "cpu")
@@ -300,36 +314,60 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     checkpoint = (c["total"] - L * (n - n_keep) * c["per_channel"]) * b  # the saved model (tied weights once)
     disk_need = checkpoint + max(hidden, 2 * eval_hidden) if offload == "disk" else 0.0
 
-    mm = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
-    mm32, chol = rates["matmul_fp32"], rates["cholesky_fp64" if p == 8 else "cholesky_fp32"]
-    if precision == "tf32":  # the Gram and alternating-round products on TF32 tensor cores (CUDA)
-        mm32 = rates.get("matmul_tf32", mm32)
+    # The model's own forward passes run at the measured rate. A method's stages are spap's chunked passes,
+    # solves and steps: on a GPU they reach a fraction of the rates measured on one large product or
+    # factorisation (``achieved``), and each sequential step costs ``step_seconds`` (launches, a synchronisation).
+    # Both are fitted to measured layers (bench/plan_times.py); a CPU reaches its measured rates.
+    achieved, step = row.get("achieved", {}), row.get("step_seconds", 0.0)
+    model_rate = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
+    keys = {"fp32": "matmul_tf32" if precision == "tf32" and "matmul_tf32" in rates else "matmul_fp32",
+            "bf16": "matmul_bf16", "solve": "cholesky_fp64" if p == 8 else "cholesky_fp32"}
+
+    def stage(work: dict[str, float]) -> float:  # one layer
+        return sum(amount * step if r == "steps" else amount / (rates[keys[r]] * achieved.get(keys[r], 1.0))
+                   for r, amount in work.items())
+
     layer_params = c["decoder"] / L
     forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
     # a propagating prune replays every layer twice (dense inputs, pruned outputs); a non-uniform allocation
     # first makes one dense pass for its statistics
     passes = (2 if algo.propagates else 1) + (algo.allocation != "uniform" and algo.propagates)
-    seconds = {"calibration forward passes": L * passes * forward / mm}
-    rate = {"fp32": mm32, "bf16": rates["matmul_bf16"], "solve": chol}
-    for stage, flops in algo.cost(shapes).items():
-        seconds[stage] = L * sum(f / rate[r] for r, f in flops.items())
+    batches = -(-N // (seqlen * batch_size))
+    seconds = {"calibration forward passes": L * (passes * forward / model_rate + passes * batches * step)}
+    own = algo.cost(shapes)
+    for name, work in own.items():
+        seconds[name] = L * stage(work)
     eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
-    seconds["perplexity (dense + pruned)"] = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / mm
+    evaluation = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / model_rate
+    reads, moved, spilled = {}, {}, {}  # per phase: layers read, bytes over the host link, bytes to spill files
+    if not resident or offload == "disk":
+        # each layer onloaded once to prune it, twice for the perplexities and twice for the save checks
+        reads = {"prune": c["decoder"] * b, "perplexity": 2 * c["decoder"] * b, "save": 2 * c["decoder"] * b}
     if offload != "none" and gpu:
-        # Layers onloaded 5 times (prune, dense and pruned perplexity, the two save checks), activations
-        # copied in and out on every pass over a layer.
-        moved = 5 * c["decoder"] * b + L * (2 * passes * N + 4 * eval_tokens) * d * b
-        if streamed:  # X and Y through the solver: the dense pass, the final refit, two norms of Y
-            moved += L * 4 * solver_inputs
-        seconds["host <-> device copies (assumed 20 GB/s)"] = moved / (HOST_LINK_GB_S * GB)
-    if offload == "disk":
-        # Layers read 5 times; hidden states written once and read (1 + passes) times per layer and pass.
-        spilled = L * ((2 + passes) * N + 2 * 2 * eval_tokens) * d * b
-        seconds["disk reads and writes (assumed 1.5 GB/s)"] = (5 * c["decoder"] * b + spilled) / (DISK_GB_S * GB)
+        # hidden states copied in and out a batch at a time on every pass over a layer (pageable host memory)
+        moved = {"prune": L * 2 * passes * N * d * b, "perplexity": L * 4 * eval_tokens * d * b}
+    if offload == "disk":  # hidden states written once and read (1 + passes) times per layer and pass
+        spilled = {"prune": L * (2 + passes) * N * d * b, "perplexity": L * 4 * eval_tokens * d * b}
+    pageable = row.get("pageable_copy_gb_s", HOST_LINK_GB_S) * GB
+    disk = DISK_GB_S * GB
+
+    def transfers(phase: str) -> float:
+        host = (reads.get(phase, 0) + moved.get(phase, 0)) / pageable if gpu else 0.0
+        return host + (reads.get(phase, 0) + spilled.get(phase, 0)) / disk if offload == "disk" else host
+
+    if streamed:  # X and Y through the solver from pinned host memory: the dense pass, the final refit, two norms
+        seconds["X and Y streamed to the device"] = L * 4 * solver_inputs / (row.get("pinned_copy_gb_s",
+                                                                                       HOST_LINK_GB_S) * GB)
+    if transfers("prune"):
+        seconds["onloading and hidden states"] = transfers("prune")
+    seconds[PERPLEXITY] = evaluation + transfers("perplexity")
+    if transfers("save"):
+        seconds[SAVE_CHECKS] = transfers("save")
     fits = (offload == "none" or not algo.whole_model) and \
            (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
            (host_memory_gb is None or peak_host / GB <= host_memory_gb) and \
            (disk_free_gb is None or disk_need / GB <= disk_free_gb)
     return Plan(model, algo.name, device, offload, peak_device / GB, peak_host / GB, fits, seconds,
-                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb, THROUGHPUT[device]["source"],
-                disk_need / GB, disk_free_gb, checkpoint / GB)
+                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb,
+                "; ".join(filter(None, (row["source"], row.get("fitted")))),
+                disk_need / GB, disk_free_gb, checkpoint / GB, layers=L, method_stages=tuple(own))

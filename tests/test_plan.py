@@ -1,10 +1,16 @@
 """The plan: peak memory and time from a config alone, offline for the paper's aliases, and refusals."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
 from spap_lib.plan import GB, plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Published parameter counts (billions) of the shipped configs: the plan counts them exactly.
 PUBLISHED = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.2-1b": 1.236, "qwen2.5-0.5b": 0.494,
@@ -185,7 +191,7 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
 
         def cost(self, s: Shapes):
             seen["shapes"] = s
-            return {"declared stage": {"fp32": 1e12, "solve": 2e12}}
+            return {"declared stage": {"fp32": 1e12, "solve": 2e12, "steps": 500}}
 
         def working_set(self, s: Shapes):
             return {"declared buffer": 3 * 2**30}
@@ -195,11 +201,16 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
         p = plan("llama-3.1-8b", method=Costed.name, device="h100", nsamples=64, seqlen=2048, offload="none")
     finally:
         del METHODS[Costed.name]
-    rates = THROUGHPUT["h100"]["flops_per_second"]
+    row = THROUGHPUT["h100"]
+    rates, achieved = row["flops_per_second"], row["achieved"]
     layers = 32
-    # fp32 products run at the TF32 rate where the precision is tf32 (Method's default precision is float64)
-    assert p.seconds["declared stage"] == pytest.approx(
-        layers * (1e12 / rates["matmul_fp32"] + 2e12 / rates["cholesky_fp64"]))
+    # fp32 products run at the TF32 rate where the precision is tf32 (Method's default precision is float64); a
+    # method's own stages reach the fraction of each rate fitted to measured layers, and pay for their steps
+    assert p.seconds["declared stage"] == pytest.approx(layers * (
+        1e12 / (rates["matmul_fp32"] * achieved.get("matmul_fp32", 1)) + 2e12 / (rates["cholesky_fp64"]
+                                                                                  * achieved["cholesky_fp64"])
+        + 500 * row["step_seconds"]))
+    assert p.method_stages == ("declared stage",) and p.layers == layers
     assert p.memory_gb["declared buffer"] == pytest.approx(3.0)
     s = seen["shapes"]
     assert (s.N, s.d, s.n, s.in_proj, s.p) == (64 * 2048, 4096, 14336, 2, 8) and s.n_keep < s.n
@@ -209,6 +220,32 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     assert stages["penalty / refit solves"]["solve"] == pytest.approx((spap.K + 1) * ((s.n + 1) ** 3 / 3
                                                                                        + 2 * (s.n + 1) ** 2 * s.d))
     assert "Adam steps" in stages and "Adam steps" not in sl.get_method("spap_no_update").cost(s)
+
+
+def test_the_plans_times_hold_against_every_measured_layer():
+    """bench/results/measured_layer_times.csv: every measured layer time (GPU and CPU, whole prunes and the method
+    alone) is within ±30% of the plan's; a change to a method's declared cost or to throughput.json that breaks
+    one fails here."""
+    out = subprocess.run([sys.executable, "bench/plan_times.py", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_offloading_from_a_gpu_costs_copies_and_steps_cost_launches():
+    """The GPU row's pipeline terms: offloaded, a prune pays its onloads and hidden-state copies over pageable host
+    memory at the fitted rate, and X/Y streamed from pinned memory; a CPU row pays neither."""
+    from spap_lib.plan import PERPLEXITY, THROUGHPUT
+
+    kw = dict(nsamples=128, seqlen=2048, device="h100")
+    none, cpu = plan("llama-3.1-8b", offload="none", **kw), plan("llama-3.1-8b", offload="cpu", **kw)
+    d, N, L = 4096, 128 * 2048, 32
+    hidden = L * 2 * 2 * N * d * 2  # two passes over each layer, its inputs in and its outputs out, bf16
+    layers = L * cpu.memory_gb["weights"] / 2 * GB  # each layer onloaded once (the plan holds it and its copy)
+    assert cpu.seconds["onloading and hidden states"] == pytest.approx(
+        (hidden + layers) / (THROUGHPUT["h100"]["pageable_copy_gb_s"] * GB))
+    assert "X and Y streamed to the device" in cpu.seconds and "onloading and hidden states" not in none.seconds
+    assert cpu.prune_seconds > none.prune_seconds and cpu.seconds[PERPLEXITY] > none.seconds[PERPLEXITY]
+    on_cpu = plan("llama-3.1-8b", offload="cpu", nsamples=8, seqlen=256, device="cpu-2core")
+    assert not {"onloading and hidden states", "X and Y streamed to the device"} & set(on_cpu.seconds)
 
 
 def test_a_composition_label_runs_through_the_run_check_and_the_plan():

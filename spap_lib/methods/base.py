@@ -43,6 +43,11 @@ def highest(score: torch.Tensor, n_keep: int) -> torch.Tensor:
     return torch.sort(torch.topk(score, n_keep).indices).values
 
 
+def chunks_of(N: int, chunk: int) -> int:
+    """How many chunks a pass over ``N`` tokens takes (``Method.cost``'s sequential steps)."""
+    return -(-N // chunk)
+
+
 def solve_flops(m: int, d: int) -> float:
     """One Cholesky factorisation of an ``m × m`` Gram matrix and its solve for ``d`` right-hand sides."""
     return m**3 / 3 + 2 * m**2 * d
@@ -238,16 +243,20 @@ class Method:
         return self.hparams()
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
-        """Floating-point operations of one decoder layer's prune, by stage, each split by the rate that runs
-        it (``spap_lib.plan``'s throughput rows): ``"fp32"`` products (TF32 where the precision says so),
-        ``"bf16"`` products, ``"solve"`` (Cholesky at the method's precision). The calibration forward passes
-        and the evaluation are the plan's own. Here: a fitting method's dense Gram pass (with the targets
-        ``Y`` where it uses them) and one least-squares refit, or a score method's channel statistics."""
+        """The work of one decoder layer's prune, by stage, each split by the rate that runs it (``spap_lib.plan``'s
+        throughput rows): floating-point operations of ``"fp32"`` products (TF32 where the precision says so),
+        ``"bf16"`` products and ``"solve"`` (Cholesky at the method's precision), and ``"steps"``, the stage's
+        sequential steps (a chunk of a pass, a solve, an Adam step: on a GPU each costs its kernel launches and a
+        synchronisation whatever its size). The calibration forward passes and the evaluation are the plan's
+        own. Here: a fitting method's dense Gram pass (with the targets ``Y`` where it uses them) and one
+        least-squares refit, or a score method's channel statistics."""
+        chunks = chunks_of(s.N, s.chunk)
         if not self.fits:
-            return {"channel statistics": {"fp32": 2 * s.in_proj * s.N * s.d * s.n}}
+            return {"channel statistics": {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks}}
         gram = 2 * s.in_proj * s.N * s.d * s.n + 2 * s.N * s.n * s.n
         targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
-        return {"dense Gram pass": {"fp32": gram + targets}, "refit solve": {"solve": solve_flops(s.n + 1, s.d)}}
+        return {"dense Gram pass": {"fp32": gram + targets, "steps": chunks},
+                "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}
 
     def working_set(self, s: Shapes) -> dict[str, float]:
         """Bytes the method holds on the device while it prunes one layer, beyond the weights and the calibration

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..checks import hp
-from .base import Method, Shapes, register
+from .base import Method, Shapes, chunks_of, register
 
 
 @register
@@ -29,7 +29,8 @@ class SliceGPT(Method):
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
         # per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)
-        return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3)}}
+        return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3),
+                                                  "steps": 3 * (chunks_of(s.N, s.chunk) + 1)}}
 
     def working_set(self, s: Shapes) -> dict[str, float]:
         # the head untied from tied embeddings, the float64 PCA Gram and one chunk

@@ -77,7 +77,7 @@ from ..linalg import (
     sq_norm,
 )
 from ..stats import ChannelStats
-from .base import LayerProblem, Method, PruneResult, Shapes, highest, register, solve_flops
+from .base import LayerProblem, Method, PruneResult, Shapes, chunks_of, highest, register, solve_flops
 from .parts import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
 
 
@@ -413,26 +413,29 @@ class SPAP(Method):
         stages = super().cost(s)
         one_refit = stages.pop("refit solve")
         if self.select == "penalty":
-            stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d)}
+            stages["penalty / refit solves"] = {"solve": (self.K + 1) * solve_flops(s.n + 1, s.d), "steps": self.K + 1}
         elif self.update != "none":
             stages["refit solve"] = one_refit
         if self.select in NEEDS_MEAN:
-            stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n}
+            stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
-            Ne = min(self.error_tokens, s.N)
+            Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
             stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + 2 * Ne * s.n**2,
-                                      "solve": sum(solve_flops(s.n - r + 1, s.d) for r in curve_points(s.n))}
+                                      "solve": sum(solve_flops(s.n - r + 1, s.d) for r in points),
+                                      "steps": chunks_of(Ne, s.chunk) + len(points)}
         if self.update not in ROUNDS or not self.am_iters:
             return stages
         low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
         Nr = min(self.sketch_tokens or s.N, s.N)  # the rounds' token sample
         refit = Nr < s.N or low == "bf16"  # the best round refitted on every token at ``precision``
         mlp = 2 * (s.in_proj + 1) * s.d * s.n_keep  # per token: the pruned MLP's forward
-        stages["Adam steps"] = {low: self.am_iters * self.adam_steps * min(self.batch_tokens, s.N) * 3 * mlp}
+        steps = self.am_iters * self.adam_steps
+        stages["Adam steps"] = {low: steps * min(self.batch_tokens, s.N) * 3 * mlp, "steps": steps}
+        passes = self.am_iters * chunks_of(Nr, s.chunk) + (chunks_of(s.N, s.chunk) if refit else 0)
         if self.update == "gd":  # every round: a forward pass for the error on the rounds' sample
             rounds = {low: self.am_iters * Nr * mlp}
             rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
-            stages["alternating rounds (Gram / error)"] = rounds
+            stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
             return stages
         # alternating: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and (resampled) the
         # ranking forward pass on the first sample; one solve per round and per refit
@@ -441,8 +444,9 @@ class SPAP(Method):
         rank = mlp if self.sketch_resample and Nr < s.N else 0
         rounds = {low: self.am_iters * Nr * (z_yz + rank)}
         rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * Nr * zz + (s.N * (z_yz + zz) if refit else 0)
-        stages["alternating rounds (Gram / error)"] = rounds
-        stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d)}
+        stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
+        stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d),
+                                                 "steps": self.am_iters + refit}
         return stages
 
     def channel_stats(self, mlp: MLP, X: torch.Tensor, H: torch.Tensor, chunk: int) -> ChannelStats:
