@@ -230,7 +230,7 @@ def test_the_plans_times_hold_against_every_measured_layer():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_offloading_from_a_gpu_costs_copies_and_steps_cost_launches():
+def test_offloading_from_a_gpu_costs_onloads_and_copies():
     """The GPU row's pipeline terms: offloaded, a prune pays its onloads and hidden-state copies over pageable host
     memory at the fitted rate, and X/Y streamed from pinned memory; a CPU row pays neither."""
     from spap_lib.plan import PERPLEXITY, THROUGHPUT
