@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     for device in sorted({d for d in frame.device if THROUGHPUT[d].get("fitted")}):
         best, left_out = fit(frame, device)
         frame.loc[frame.device == device, "left out of the fit"] = [f"{r:.2f}" for r in left_out]
-        notes.append(f"* {device}: {THROUGHPUT[device]['fitted']} (throughput.json). The fit on these rows today: "
+        notes.append(f"* {device}: {THROUGHPUT[device]['fitted']} (throughput.json). Refitted on these rows: "
                      f"{best}. 'left out of the fit': predicted / measured when the row's own time is not in the "
                      "fit.")
     cols = ["device", "model", "method", "hparams", "nsamples", "seqlen", "offload", "scope", "measured_s_per_layer",
