@@ -225,27 +225,27 @@ def solve_spd(A: torch.Tensor, B: torch.Tensor, what: str = "Gram matrix", again
     return _solve_factored(A, (B * s[:, None]).double()).to(B.dtype) * s[:, None]
 
 
+def _damped_solve(WH: torch.Tensor, system, penalty: torch.Tensor) -> torch.Tensor:
+    """``WH (S + diag(penalty))⁻¹`` for the Gram matrix ``S = system()``, a fresh copy each call: the damping goes
+    on its diagonal and the solve factorises it in place; a failed float32 factorisation builds it again."""
+    def damped() -> torch.Tensor:
+        A = system()
+        A.diagonal().add_(penalty.to(A.dtype))
+        return A
+
+    return solve_spd(damped(), WH.T, again=damped).T.to(WH.dtype)
+
+
 def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
     """``W = (Y Zᵀ)(Z Zᵀ + diag(penalty))⁻¹`` given ``WH = Y Zᵀ`` ``[d, n]`` and ``H = Z Zᵀ``, in ``H``'s dtype.
     ``H`` is kept (the caller reuses it): its damped copy is the one buffer the solve factorises."""
-    def system() -> torch.Tensor:
-        A = H.clone()
-        A.diagonal().add_(penalty.to(H.dtype))
-        return A
-
-    return solve_spd(system(), WH.T, again=system).T.to(WH.dtype)
+    return _damped_solve(WH, H.clone, penalty)
 
 
 def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:
     """Least-squares refit using only input rows ``cols``: ``(Y Z_Kᵀ)(Z_K Z_Kᵀ + δI)⁻¹``."""
-    penalty = torch.full((len(cols),), delta, device=H.device)
-
-    def system() -> torch.Tensor:
-        A = H[cols[:, None], cols]  # gathered in one step: no n_keep × n intermediate
-        A.diagonal().add_(penalty.to(H.dtype))
-        return A
-
-    return solve_spd(system(), WH[:, cols].T, again=system).T.to(WH.dtype)
+    # H's kept block gathered in one step: no n_keep × n intermediate
+    return _damped_solve(WH[:, cols], lambda: H[cols[:, None], cols], torch.full((len(cols),), delta, device=H.device))
 
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
