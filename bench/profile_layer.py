@@ -70,7 +70,10 @@ def main(argv=None) -> None:
     ap.add_argument("--sparsity", type=float, default=0.2)
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--methods", default="fasp,spap_no_update,spap,spap_gd")
+    # method labels, each may carry hyperparameters (``spap/lr=0.01,sketch_tokens=24576``)
+    ap.add_argument("--methods", nargs="+", default=["fasp", "spap_no_update", "spap", "spap_gd"])
+    # the Gram product in this many blocks of rows (``linalg.GRAM_BLOCKS``; 1 is the whole product), each in turn
+    ap.add_argument("--gram-blocks", type=int, nargs="+", default=[linalg.GRAM_BLOCKS])
     ap.add_argument("--out", default="bench/results/profile_layer.csv")
     args = ap.parse_args(argv)
     command = " ".join(["python", "bench/profile_layer.py", *(sys.argv[1:] if argv is None else argv)])
@@ -83,33 +86,47 @@ def main(argv=None) -> None:
                         watch=loaded.adapter.mlp_input_module(layer))
         hidden = out
     plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
-    rows = []
-    for name in args.methods.split(","):
-        method = sl.get_method(name)
-        problem = LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
-                                  layer_index=args.layer)
-        totals: dict = defaultdict(float)
-        t0 = time.perf_counter()
-        with timed(totals):
-            method.prune(problem)
-        total = time.perf_counter() - t0
-        rows += [{"method": name, "stage": label, "seconds": sec} for label, sec in totals.items()]
-        rows.append({"method": name, "stage": "other (penalty loop bookkeeping, selection, copies)",
-                     "seconds": total - sum(totals.values())})
-        rows.append({"method": name, "stage": "total", "seconds": total})
-        print(name, f"{total:.2f} s", dict(totals), flush=True)
+    rows, results, same = [], {}, []
+    for blocks in args.gram_blocks:
+        linalg.GRAM_BLOCKS = blocks  # read by ``add_gram`` at every call
+        for name in args.methods:
+            label = name if len(args.gram_blocks) == 1 else f"{name} [Gram in {blocks} blocks]"
+            method = sl.get_method(name)
+            problem = LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
+                                      layer_index=args.layer)
+            totals: dict = defaultdict(float)
+            t0 = time.perf_counter()
+            with timed(totals):
+                result = method.prune(problem)
+            total = time.perf_counter() - t0
+            if name in results:  # the answer against the first setting's
+                keep, W = results[name]
+                diff = float((result.mlp.W_out - W).abs().max() / W.abs().max()) if torch.equal(result.keep, keep) \
+                    else float("nan")
+                same.append(f"{label}: " + (f"the same kept channels, largest output-weight difference {diff:.1e} of "
+                                            "the largest weight" if diff == diff else "other kept channels"))
+            results.setdefault(name, (result.keep, result.mlp.W_out))
+            rows += [{"method": label, "stage": stage, "seconds": sec} for stage, sec in totals.items()]
+            rows.append({"method": label, "stage": "other (penalty loop bookkeeping, selection, copies)",
+                         "seconds": total - sum(totals.values())})
+            rows.append({"method": label, "stage": "total", "seconds": total})
+            print(label, f"{total:.2f} s", dict(totals), flush=True)
     frame = pd.DataFrame(rows)
     frame["model"], frame["layer"], frame["tokens"] = args.model, args.layer, args.nsamples * args.seqlen
     write_csv_atomic(args.out, frame)
     totals = frame[frame["stage"] == "total"].set_index("method")["seconds"]
     wide = frame.pivot_table(index="stage", columns="method", values="seconds", sort=False).round(2)
+
+    def fasp_of(label: str) -> str:  # FASP at the same Gram blocks
+        return label.replace(label.split(" [")[0], "fasp", 1)
+
+    ratios = ", ".join(f"{m} {totals[m] / totals[fasp_of(m)]:.1f}x" for m in totals.index if fasp_of(m) in totals)
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# One-layer time breakdown\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
         f"Machine: {torch.get_num_threads()} CPU threads, float32 weights; layer {args.layer} of {args.model}, "
-        f"{args.nsamples} x {args.seqlen} calibration tokens, sparsity {args.sparsity}, default hyperparameters.\n\n"
-        f"{wide.to_markdown()}\n\nRatio to FASP: "
-        + ", ".join(f"{m} {totals[m] / totals['fasp']:.1f}x" for m in totals.index if "fasp" in totals) + "\n"))
-
+        f"{args.nsamples} x {args.seqlen} calibration tokens, sparsity {args.sparsity}, hyperparameters as "
+        f"labelled (the rest default).\n\n{wide.to_markdown()}\n\nRatio to FASP: {ratios}\n"
+        + "".join(f"\n* {line} (against the first Gram setting)" for line in same) + ("\n" if same else "")))
 
 if __name__ == "__main__":
     main()

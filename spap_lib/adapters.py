@@ -95,6 +95,10 @@ class Adapter:
     width_field: str = "intermediate_size"  # config field holding the MLP width
     in_names: tuple[str, ...] = ()
     out_name: str = ""
+    # The layer's attention module, whose output (a tuple led by the attention output, as every transformers
+    # decoder layer unpacks it) no MLP change alters: replaying a pruned layer reuses it (``capture.replay``).
+    # "" where a layer's attention is not one such module: the replay recomputes it.
+    attention_name: str = "self_attn"
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -110,6 +114,9 @@ class Adapter:
     def mlp_input_module(self, layer: nn.Module) -> nn.Module:
         """A module whose first positional input is the MLP input X (after the norm)."""
         return getattr(self.mlp_owner(layer), self.in_names[0])
+
+    def attention_module(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer, self.attention_name) if self.attention_name else None
 
     def activation(self, layer: nn.Module) -> Callable:
         raise NotImplementedError

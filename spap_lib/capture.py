@@ -171,7 +171,8 @@ def capture_inputs(module: nn.Module, stop: bool = False):
 
 @torch.no_grad()
 def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
-           device=None, store=None, finite: str | None = None, outputs: bool = True, inputs=None):
+           device=None, store=None, finite: str | None = None, outputs: bool = True, inputs=None,
+           attention: nn.Module | None = None, reuse: torch.Tensor | None = None):
     """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
 
     Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
@@ -182,16 +183,25 @@ def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int
     ``hidden`` is). With ``finite`` (what the outputs are, for the message), every output batch is checked for
     NaN/Inf. ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None (a
     pipeline that recomputes them through the pruned layer skips the dense MLP's work).
+
+    ``attention`` (the layer's attention module, whose output the MLP does not change): with ``outputs=False``
+    its outputs are kept, in ``store``, and returned in place of the layer's; given those as ``reuse`` (from a
+    replay of the same ``hidden`` and batches), its forward is skipped, each batch reading its kept rows, and
+    the layer's outputs overwrite them in place. A pruned layer's replay then costs its MLP and norms only.
     """
     seen = None if watch is None else _Rows(hidden.shape[0], inputs)
-    out = None  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
-    with capture_inputs(watch, stop=not outputs) if watch is not None else nullcontext([]) as batches:
+    out = reuse  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
+    keep = attention is not None and reuse is None and not outputs
+    rows = [0]  # the batch's first row, for the kept attention outputs
+    with capture_inputs(watch, stop=not outputs) if watch is not None else nullcontext([]) as batches, \
+            _attention_outputs(attention, keep, reuse, rows) as attended:
         for start in range(0, hidden.shape[0], batch_size):
             h = hidden[start:start + batch_size]
+            rows[0] = start
             try:
                 o = run_layer(layer, h if device is None else h.to(device), kwargs[h.shape[0]])
             except _Stop:
-                o = None
+                o = attended.pop() if keep else None
             while batches:  # the watched module's inputs of this batch
                 seen.add(batches.pop(0), h.shape[0])
             if o is None:
@@ -202,3 +212,32 @@ def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int
                 out = (store or on_device(hidden.device))((hidden.shape[0], *o.shape[1:]), o.dtype)
             out[start:start + o.shape[0]] = o
     return out, None if seen is None else seen.rows
+
+
+@contextmanager
+def _attention_outputs(module: nn.Module | None, keep: bool, reuse: torch.Tensor | None, rows: list[int]):
+    """``keep``: each call's output of ``module`` appended to the yielded list. ``reuse``: ``module``'s forward
+    replaced by one returning the kept rows from ``rows[0]`` on (as many as the call's batch has), with the
+    rest of the original's output tuple (the attention weights: None, never asked for)."""
+    kept: list[torch.Tensor] = []
+    if module is None or not (keep or reuse is not None):
+        yield kept
+        return
+    if keep:
+        handle = module.register_forward_hook(
+            lambda _m, _a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            yield kept
+        finally:
+            handle.remove()
+        return
+
+    def forward(hidden_states, *args, **kwargs):
+        o = reuse[rows[0]:rows[0] + hidden_states.shape[0]].to(hidden_states.device)
+        return o, None
+
+    module.forward = forward
+    try:
+        yield kept
+    finally:
+        module.__dict__.pop("forward", None)

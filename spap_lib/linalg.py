@@ -66,13 +66,43 @@ def like(T: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, dtype=T.dtype, device=T.device, pin_memory=T.is_pinned())
 
 
+# The Gram matrix is symmetric, so a pass multiplies each block of its rows only with the columns from that block's
+# diagonal on, and ``mirror`` copies the upper triangle down once the pass is done: (B+1)/(2B) of the full product's
+# work for B blocks. Eight blocks measured fastest on a 2-core CPU, 1.6x (n = 1,536) and 1.8x (n = 4,864) the full
+# product (four: 1.5x, sixteen: no better than eight; bench/results/gram.md).
+GRAM_BLOCKS = 8
+
+
+def gram_flops(N: int, n: int) -> float:
+    """What the plan counts for ``Zᵀ Z`` over ``N`` tokens of width ``n``: the whole product's operations. In a real
+    pass the blocks save less than their share of the work (a SmolLM2 layer's FASP 13% faster, not the 25% that
+    9/16 of the product's work would give; bench/results/profile_layer_128x512.md), so the rates measured on
+    whole products, and the GPU terms fitted to layers timed with them, keep pricing it."""
+    return 2 * N * n * n
+
+
 def add_gram(H: torch.Tensor, Z: torch.Tensor) -> None:
-    """``H += Zᵀ Z`` one block of rows at a time, as many rows as ``Z`` has tokens: the temporary is a block
-    of the product (the size of ``Z``), not a second ``n × n`` matrix (3 GB at a 70B layer's n = 28,672).
-    Each block is the same sums as the whole product's rows (bench/plan_check.py measures the peak)."""
-    block = max(1, Z.shape[0])
-    for i in range(0, H.shape[0], block):
-        H[i:i + block] += (Z[:, i:i + block].T @ Z).to(H.dtype)
+    """``H += Zᵀ Z`` on and above the diagonal (``mirror`` completes ``H`` after the last chunk), one block of rows at
+    a time: ``GRAM_BLOCKS`` blocks, none taller than ``Z`` has tokens, so the temporary is a block of the product
+    (at most the size of ``Z``), never a second ``n × n`` matrix (3 GB at a 70B layer's n = 28,672). Any block
+    size fills the upper triangle, so chunks of different sizes may be added to one ``H``."""
+    n = H.shape[0]
+    block = max(1, min(Z.shape[0], -(-n // GRAM_BLOCKS)))
+    for i in range(0, n, block):
+        H[i:i + block, i:] += (Z[:, i:i + block].T @ Z[:, i:]).to(H.dtype)
+
+
+def mirror(H: torch.Tensor) -> torch.Tensor:
+    """``H``'s upper triangle copied onto its lower one in place (exactly symmetric after ``add_gram``), a block of
+    rows at a time (temporaries of one diagonal block)."""
+    n = H.shape[0]
+    block = -(-n // GRAM_BLOCKS)
+    for i in range(0, n, block):
+        j = min(i + block, n)
+        D = H[i:j, i:j]
+        D.copy_(torch.triu(D) + torch.triu(D, 1).T)
+        H[j:, i:j] = H[i:j, j:].T
+    return H
 
 
 def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
@@ -95,6 +125,7 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
         if Y is not None:
             with products(low, device):
                 YZ += (rows(Y, start, start + chunk, device).float().T @ Z).to(dtype)
+    mirror(H)
     return H if Y is None else (H, YZ)
 
 
@@ -110,7 +141,7 @@ def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torc
         Z = mlp.hidden(rows(X, start, start + chunk, device).float())
         Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out)
         add_gram(H, augment(Z, bias))
-    return H, Y
+    return mirror(H), Y
 
 
 def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -255,10 +255,12 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
                 if bad:
                     raise NumericalError(f"layer {i}'s weights are not finite ({'; '.join(bad[:5])}): the model files "
                                          "are damaged; spap cannot prune them")
-            # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP.
+            # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP,
+            # keeping the attention's outputs, which the pruned layer's replay reuses.
+            attention = adapter.attention_module(layer) if propagate else None
             out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
                             device=onloader.device, store=onloader.activations, outputs=not propagate,
-                            inputs=onloader.calibration)
+                            inputs=onloader.calibration, attention=attention)
             check_finite(X, f"layer {i}: the MLP inputs")
             problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device, chunk=chunk,
                                       seed=seed, layer_index=i)
@@ -271,7 +273,8 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
             if propagate:
                 out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device,
-                             store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer")[0]
+                             store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer",
+                             attention=attention, reuse=out)[0]
             onloader.finished(i)
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})

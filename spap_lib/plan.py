@@ -355,7 +355,9 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         host = (reads.get(phase, 0) + moved.get(phase, 0)) / pageable if gpu else 0.0
         return host + (reads.get(phase, 0) + spilled.get(phase, 0)) / disk if offload == "disk" else host
 
-    if streamed:  # X and Y through the solver from pinned host memory: the dense pass, the final refit, two norms
+    # X and Y through the solver from pinned host memory: the dense pass and the final refit (one of each), ‖Y‖²
+    # (half), the rounds' samples and Adam's batches (about one and a half at 128 x 2048 tokens)
+    if streamed:
         seconds["X and Y streamed to the device"] = L * 4 * solver_inputs / (row.get("pinned_copy_gb_s",
                                                                                        HOST_LINK_GB_S) * GB)
     if transfers("prune"):

@@ -87,12 +87,12 @@ def test_penalty_method_finds_planted_support(threshold):
 
 
 def _start(mlp, Y, H, YZ) -> dict:
-    """``alternating_update``'s starting error (from the Gram statistics of ``mlp``'s start) and precision."""
+    """``alternating_update``'s starting error (from the Gram statistics of ``mlp``'s start), ``‖Y‖²`` and precision."""
     from spap_lib.linalg import sq_norm
     from spap_lib.methods.spap import reconstruction_error
 
     YY = sq_norm(Y)
-    return {"start_error": reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY, "dtype": H.dtype}
+    return {"start_error": reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY, "YY": YY, "dtype": H.dtype}
 
 
 def test_alternating_update_never_worse_and_improves():
@@ -336,13 +336,20 @@ def test_resampling_is_inert_for_gradient_descent():
 
 
 def test_gram_blocks_sum_what_the_whole_product_does():
-    """``add_gram`` adds ``Zᵀ Z`` a block of rows at a time (the temporary is the size of ``Z``, not ``n × n``):
-    the same numbers as the whole product, in float32 and summed into float64."""
-    from spap_lib.linalg import add_gram
+    """``add_gram`` adds ``Zᵀ Z`` on and above the diagonal a block of rows at a time (the temporary at most the size
+    of ``Z``), chunks of any size into one matrix, and ``mirror`` completes it: exactly symmetric, and the whole
+    product's numbers, in float32 and summed into float64. Below the diagonal blocks nothing is summed until
+    ``mirror``."""
+    from spap_lib.linalg import add_gram, mirror
 
     g = torch.Generator().manual_seed(4)
-    Z = torch.randn(37, 100, generator=g) * torch.logspace(-2, 2, 100)
-    for dtype in (torch.float32, torch.float64):
-        H = torch.ones(100, 100, dtype=dtype)
-        add_gram(H, Z)
-        assert torch.equal(H, torch.ones(100, 100, dtype=dtype) + (Z.T @ Z).to(dtype))
+    Z = torch.randn(40, 100, generator=g) * torch.logspace(-2, 2, 100)
+    whole = Z.double().T @ Z.double()
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-6)):
+        H = torch.zeros(100, 100, dtype=dtype)
+        add_gram(H, Z[:37])  # blocks of 13 rows
+        add_gram(H, Z[37:])  # a chunk of 3 tokens: blocks of 3 rows
+        assert not H[13:, :3].any()  # below the diagonal blocks nothing was summed
+        mirror(H)
+        assert torch.equal(H, H.T)
+        assert torch.allclose(H.double(), whole, rtol=tol, atol=tol * float(whole.abs().max()))

@@ -30,6 +30,33 @@ def test_replay_reproduces_the_model(loaded, windows):
     assert not any("forward" in layer.__dict__ for layer in layers)
 
 
+def test_a_pruned_layer_replays_with_the_attention_outputs_it_kept(loaded, windows, monkeypatch):
+    """Propagating, a layer's first replay stops at its MLP and keeps its attention's outputs; once the MLP is
+    pruned, the replay that reuses them skips the attention and gives the full replay's outputs to the bit,
+    written over the kept ones, batch by batch (a last batch smaller than the rest)."""
+    ad, layers = loaded.adapter, loaded.adapter.layers()
+    hidden, kwargs = first_layer_inputs(loaded.model, layers, windows, batch_size=3, device="cpu")
+    layer, kw = layers[1], {b: k[1] for b, k in kwargs.items()}
+    attention = ad.attention_module(layer)
+    computed = []
+    original = type(attention).forward
+
+    def counted(self, *a, **k):
+        computed.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(type(attention), "forward", counted)
+    kept, X = replay(layer, hidden, kw, 3, watch=ad.mlp_input_module(layer), outputs=False, attention=attention)
+    assert kept.shape == hidden.shape and X.shape[0] == hidden.shape[0] * hidden.shape[1]
+    ad.set_mlp(layer, ad.get_mlp(layer).select(torch.arange(0, ad.get_mlp(layer).width, 3)))
+    full, _ = replay(layer, hidden, kw, 3)
+    computed.clear()
+    reused, _ = replay(layer, hidden, kw, 3, attention=attention, reuse=kept)
+    assert not computed  # the attention was not run again
+    assert reused is kept and torch.equal(reused, full)
+    assert "forward" not in attention.__dict__ and not attention._forward_hooks
+
+
 def test_shrunk_model_equals_masked_dense_model(loaded, windows):
     ad = loaded.adapter
     keep = torch.tensor([0, 3, 5, 6, 10, 17, 33, 40, 63])

@@ -16,7 +16,7 @@ import torch
 from .. import allocation as alloc
 from ..adapters import MLP
 from ..checks import ParameterError, check_fields, scalar
-from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, outputs, resolve_precision
+from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, gram_flops, outputs, resolve_precision, sq_norm
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,12 @@ class LayerProblem:
         H = gram(self.dense, self.X, self.chunk, dtype=self.dtype)
         check_finite(H, f"layer {self.layer_index}: the Gram matrix entries")
         return H
+
+    @cached_property
+    def YY(self) -> float:
+        """``‖Y‖²``, what this layer's relative errors divide by (floored at the smallest float64: ``Y = 0`` gives
+        absolute errors)."""
+        return max(sq_norm(self.Y, self.chunk, self.dense.W_out.device), torch.finfo(torch.float64).tiny)
 
     def _dense_pass(self) -> None:
         """``H`` and ``Y`` from one pass (``gram_and_outputs``: the same numbers as computing each alone)."""
@@ -253,7 +259,7 @@ class Method:
         chunks = chunks_of(s.N, s.chunk)
         if not self.fits:
             return {"channel statistics": {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks}}
-        gram = 2 * s.in_proj * s.N * s.d * s.n + 2 * s.N * s.n * s.n
+        gram = 2 * s.in_proj * s.N * s.d * s.n + gram_flops(s.N, s.n)
         targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
         return {"dense Gram pass": {"fp32": gram + targets, "steps": chunks},
                 "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}

@@ -67,6 +67,7 @@ from ..linalg import (
     PRECISIONS,
     check_finite,
     gram,
+    gram_flops,
     lstsq_columns,
     matmul_precision,
     mean_diag,
@@ -224,6 +225,13 @@ def subsample(X: torch.Tensor, Y: torch.Tensor, tokens: int, seed: int) -> tuple
     return X[idx], Y[idx]
 
 
+def rounds_sample(X: torch.Tensor, Y: torch.Tensor, YY: float, tokens: int, seed: int, chunk: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The update rounds' data: ``subsample`` of ``tokens`` tokens and its ``‖Y‖²`` (``YY`` when it is every token)."""
+    Xr, Yr = subsample(X, Y, tokens, seed)
+    return Xr, Yr, YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
+
+
 def best_round(mlp: MLP, iters: int, step: Callable[[MLP], float], *, start_error: float, exact: bool,
                full_error: Callable[[MLP], float]) -> tuple[MLP, dict]:
     """Run ``step`` (one round in place on ``mlp``, returning its relative error on the rounds' data)
@@ -253,6 +261,7 @@ def alternating_update(
     Y: torch.Tensor,
     *,
     start_error: float,
+    YY: float,
     dtype: torch.dtype,
     iters: int,
     adam_steps: int,
@@ -269,19 +278,17 @@ def alternating_update(
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
     ``start_error`` is the starting point's relative error (known from the penalty stage's statistics, which
-    the caller may then free); ``dtype`` is the method's precision, of every Gram sum and solve. Cheap rounds
-    (deviations): each round's closed form and error use ``sketch_tokens`` tokens
-    (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best round's output
-    projection is then refitted once on every token at the method's precision (``best_round``). With
+    the caller may then free) and ``YY`` the ``‖Y‖²`` it is relative to (``LayerProblem.YY``); ``dtype`` is the
+    method's precision, of every Gram sum and solve. Cheap rounds (deviations): each round's closed form and error
+    use ``sketch_tokens`` tokens (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best
+    round's output projection is then refitted once on every token at the method's precision (``best_round``). With
     ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
     so the output projection does not overfit one sample), and the rounds are ranked by the error of a
     forward pass on the first sample. Returns the MLP and the relative calibration errors of the start,
     of every round (on the rounds' data) and of the result.
     """
     n, device = mlp.width, mlp.W_out.device
-    YY = max(sq_norm(Y, chunk, device), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
-    Xr, Yr = subsample(X, Y, sketch_tokens, seed)
-    YYr = YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
+    Xr, Yr, YYr = rounds_sample(X, Y, YY, sketch_tokens, seed, chunk, device)
     # gate/up (fc1) weights and biases; one optimiser for all rounds: its moments carry over
     W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -420,7 +427,7 @@ class SPAP(Method):
             stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
             Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
-            stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + 2 * Ne * s.n**2,
+            stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + gram_flops(Ne, s.n),
                                       "solve": sum(solve_flops(s.n - r + 1, s.d) for r in points),
                                       "steps": chunks_of(Ne, s.chunk) + len(points)}
         if self.update not in ROUNDS or not self.am_iters:
@@ -440,10 +447,10 @@ class SPAP(Method):
         # alternating: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and (resampled) the
         # ranking forward pass on the first sample; one solve per round and per refit
         z_yz = 2 * s.in_proj * s.d * s.n_keep + 2 * s.d * s.n_keep  # per token
-        zz = 2 * s.n_keep**2
         rank = mlp if self.sketch_resample and Nr < s.N else 0
         rounds = {low: self.am_iters * Nr * (z_yz + rank)}
-        rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * Nr * zz + (s.N * (z_yz + zz) if refit else 0)
+        rounds["fp32"] = (rounds.get("fp32", 0) + self.am_iters * gram_flops(Nr, s.n_keep)
+                          + (s.N * z_yz + gram_flops(s.N, s.n_keep) if refit else 0))
         stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
         stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d),
                                                  "steps": self.am_iters + refit}
@@ -485,12 +492,13 @@ class SPAP(Method):
                         low=self.update_precision == "bf16")
             if self.update == "gd":
                 problem.release_gram()
-                mlp, errors = gradient_update(mlp, problem.X, problem.Y, rounds=self.am_iters, steps=self.adam_steps,
+                mlp, errors = gradient_update(mlp, problem.X, problem.Y, YY=problem.YY, rounds=self.am_iters,
+                                              steps=self.adam_steps,
                                               **adam)
             else:
                 start_error = self.start_error(problem, keep, mlp)
                 problem.release_gram()  # the rounds accumulate their own
-                mlp, errors = alternating_update(mlp, problem.X, problem.Y, start_error=start_error,
+                mlp, errors = alternating_update(mlp, problem.X, problem.Y, start_error=start_error, YY=problem.YY,
                                                  dtype=problem.dtype, iters=self.am_iters, adam_steps=self.adam_steps,
                                                  damp=self.damp, resample=self.sketch_resample, **adam)
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
@@ -504,8 +512,7 @@ class SPAP(Method):
         cols = with_bias(keep, problem.dense.width, problem.has_bias)
         YZ = problem.dense.out_augmented().to(problem.dtype) @ problem.H[:, cols]
         H = problem.H[cols[:, None], cols]
-        YY = max(sq_norm(problem.Y, problem.chunk, mlp.W_out.device), torch.finfo(torch.float64).tiny)
-        return reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY
+        return reconstruction_error(mlp.out_augmented(), H, YZ, problem.YY) / problem.YY
 
     def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats) -> list[tuple[int, float]]:
         """``(r, e)``: the dense layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
@@ -555,16 +562,15 @@ def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) ->
                      .double().pow(2).sum()) for s in range(0, X.shape[0], chunk))
 
 
-def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, rounds: int, steps: int, lr: float,
+def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, YY: float, rounds: int, steps: int, lr: float,
                     batch_tokens: int, chunk: int, seed: int, lr_scale: str = "rms", sketch_tokens: int = 0,
                     low: bool = False) -> tuple[MLP, dict]:
     """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
     the calibration error every ``steps`` steps (on the same token sample and in the same precision as
-    ``alternating_update``'s rounds) and returning the best iterate (``best_round``)."""
+    ``alternating_update``'s rounds; errors relative to ``YY = ‖Y‖²``) and returning the best iterate
+    (``best_round``)."""
     device = mlp.W_out.device
-    YY = max(sq_norm(Y, chunk, device), torch.finfo(torch.float64).tiny)  # Y = 0: absolute error
-    Xr, Yr = subsample(X, Y, sketch_tokens, seed)
-    YYr = YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
+    Xr, Yr, YYr = rounds_sample(X, Y, YY, sketch_tokens, seed, chunk, device)
     params, opt = adam([*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out], lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
