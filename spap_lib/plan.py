@@ -327,13 +327,16 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
         return sum(amount * step if r == "steps" else amount / (rates[keys[r]] * achieved.get(keys[r], 1.0))
                    for r, amount in work.items())
 
-    layer_params = c["decoder"] / L
-    forward = 2 * layer_params * N + 4 * N * seqlen * d  # one pass of N tokens through one layer
-    # a propagating prune replays every layer twice (dense inputs, pruned outputs); a non-uniform allocation
-    # first makes one dense pass for its statistics
+    mlp = 2 * n * c["per_channel"] * N  # N tokens through one layer's dense MLP
+    attention = 2 * (c["decoder"] / L - n * c["per_channel"]) * N + 4 * N * seqlen * d  # and through the rest
+    # a propagating prune replays every layer twice: to its MLP's input (the attention), then through the pruned
+    # MLP, reading the attention's kept outputs (``capture.replay``); a non-uniform allocation first makes one
+    # dense pass for its statistics. Without propagation, one dense pass.
     passes = (2 if algo.propagates else 1) + (algo.allocation != "uniform" and algo.propagates)
+    work = attention + mlp * (n_keep / n if algo.propagates else 1)
+    work += (attention + mlp) * (passes - 2) if algo.propagates else 0
     batches = -(-N // (seqlen * batch_size))
-    seconds = {"calibration forward passes": L * (passes * forward / model_rate + passes * batches * step)}
+    seconds = {"calibration forward passes": L * (work / model_rate + passes * batches * step)}
     own = algo.cost(shapes)
     for name, work in own.items():
         seconds[name] = L * stage(work)
