@@ -68,14 +68,14 @@ def like(T: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 # The Gram matrix is symmetric, so a pass multiplies each block of its rows only with the columns from that block's
 # diagonal on, and ``mirror`` copies the upper triangle down once the pass is done: (B+1)/(2B) of the full product's
-# work for B blocks. Eight blocks measured fastest on a 2-core CPU, 1.6x (n = 1,536) and 1.8x (n = 4,864) the full
-# product (four: 1.5x, sixteen: no better than eight; bench/results/gram.md).
+# work for B blocks. Eight blocks do 56% of the work in products still large enough to run at full rate: on a 2-core
+# CPU a pass runs 1.5x (n = 1,536) and 1.7x (n = 4,864) as fast as the whole product (bench/results/gram.md).
 GRAM_BLOCKS = 8
 
 
 def gram_flops(N: int, n: int) -> float:
     """What the plan counts for ``Zᵀ Z`` over ``N`` tokens of width ``n``: the whole product's operations. In a real
-    pass the blocks save less than their share of the work (a SmolLM2 layer's FASP 13% faster, not the 25% that
+    pass the blocks save less than their share of the work (a SmolLM2 layer's FASP 18% faster, not the 25% that
     9/16 of the product's work would give; bench/results/profile_layer_128x512.md), so the rates measured on
     whole products, and the GPU terms fitted to layers timed with them, keep pricing it."""
     return 2 * N * n * n

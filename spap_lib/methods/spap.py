@@ -493,8 +493,7 @@ class SPAP(Method):
             if self.update == "gd":
                 problem.release_gram()
                 mlp, errors = gradient_update(mlp, problem.X, problem.Y, YY=problem.YY, rounds=self.am_iters,
-                                              steps=self.adam_steps,
-                                              **adam)
+                                              steps=self.adam_steps, **adam)
             else:
                 start_error = self.start_error(problem, keep, mlp)
                 problem.release_gram()  # the rounds accumulate their own
