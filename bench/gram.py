@@ -2,8 +2,9 @@
 
 Every fitting method spends most of a layer on ``H = Σ Zᵀ Z`` over the calibration tokens. ``H`` is symmetric, so
 ``add_gram`` multiplies each of ``GRAM_BLOCKS`` blocks of rows only with the columns from its diagonal on. This
-times one pass of ``tokens`` tokens in chunks of ``chunk`` both ways, in alternating order, at the widths of the
-offline models' layers, and reports the ratio and the largest difference from the whole product.
+times one pass of ``tokens`` tokens in chunks of ``chunk`` both ways, interleaved (whole, then blocks, in each
+repeat), at the widths of the offline models' layers, and reports the ratio and the largest difference from the
+whole product.
 
     python bench/gram.py --widths 1536 4864 8192 --tokens 65536
 """
@@ -64,7 +65,7 @@ def main(argv=None) -> None:
         seconds(blocked, chunks[:1], n, device=device)  # warm-up both paths
         seconds(whole, chunks[:1], n, device=device)
         times = {"whole": [], "blocks": []}
-        for _ in range(args.repeats):  # alternating order: drift hits both
+        for _ in range(args.repeats):  # interleaved: drift hits both
             t, H_whole = seconds(whole, chunks, n, device=device)
             times["whole"].append(t)
             t, H_blocks = seconds(blocked, chunks, n, device=device)
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# The Gram pass: whole product against upper-triangle blocks\n\nCommand: `{command}`  \n"
         f"Revision: `{git_revision()}`  \nMachine: {where}, float32, chunks of {args.chunk} tokens, "
-        f"{GRAM_BLOCKS} blocks, best of {args.repeats} in alternating order.\n\n"
+        f"{GRAM_BLOCKS} blocks, best of {args.repeats} interleaved (whole, then blocks, in each repeat).\n\n"
         f"{frame.to_markdown(index=False, floatfmt='.3g')}\n\n"
         "`speedup`: the whole product's time over the blocks' (`add_gram` for every chunk, then `mirror`); "
         "`max_rel_diff`: the largest entry of the difference over the largest entry of `H`; `symmetric`: the "
