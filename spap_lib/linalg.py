@@ -273,10 +273,14 @@ def ridge(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch.Ten
     return _damped_solve(WH, H.clone, penalty)
 
 
-def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float) -> torch.Tensor:
-    """Least-squares refit using only input rows ``cols``: ``(Y Z_Kᵀ)(Z_K Z_Kᵀ + δI)⁻¹``."""
+def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: float,
+                  toward: torch.Tensor | None = None, pull: float = 0.0) -> torch.Tensor:
+    """Least-squares refit using only input rows ``cols``: ``(Y Z_Kᵀ)(Z_K Z_Kᵀ + δI)⁻¹``. With ``pull`` > 0 the refit
+    is drawn toward ``toward``'s columns ``W₀_K``, ``min ‖Y − W Z_K‖² + pull·‖W − W₀_K‖²``:
+    ``(Y Z_Kᵀ + pull·W₀_K)(Z_K Z_Kᵀ + (δ + pull)I)⁻¹``."""
+    B = WH[:, cols] + pull * toward[:, cols] if pull else WH[:, cols]
     # H's kept block gathered in one step: no n_keep × n intermediate
-    return _damped_solve(WH[:, cols], lambda: H[cols[:, None], cols], torch.full((len(cols),), delta, device=H.device))
+    return _damped_solve(B, lambda: H[cols[:, None], cols], torch.full((len(cols),), delta + pull, device=H.device))
 
 
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:

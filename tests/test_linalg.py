@@ -33,6 +33,17 @@ def test_column_refit_equals_least_squares_on_kept_rows():
     torch.testing.assert_close(W, W_direct, rtol=1e-8, atol=1e-8)
 
 
+def test_anchored_refit_is_least_squares_with_rows_pulling_toward_the_dense_weights():
+    Z, Y = _data()
+    cols, pull = torch.tensor([0, 3, 4, 9]), 7.0
+    W0 = torch.randn(Y.shape[0], Z.shape[0], dtype=torch.float64)
+    W = lstsq_columns(Y @ Z.T, Z @ Z.T, cols, delta=0.0, toward=W0, pull=pull)
+    # min ‖Y − W Z_K‖² + pull‖W − W₀_K‖²: least squares on Z_K stacked with sqrt(pull)·I against sqrt(pull)·W₀_K
+    A = torch.cat([Z[cols].T, pull ** 0.5 * torch.eye(len(cols), dtype=Z.dtype)])
+    B = torch.cat([Y.T, pull ** 0.5 * W0[:, cols].T])
+    torch.testing.assert_close(W, torch.linalg.lstsq(A, B).solution.T, rtol=1e-8, atol=1e-8)
+
+
 @pytest.mark.parametrize("threshold", ["top", "previous"])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("lam", [1, 5, 11])

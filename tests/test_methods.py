@@ -218,6 +218,21 @@ def test_fasp_refit_is_least_squares_on_the_kept_channels(loaded, windows):
     assert set(result.keep.tolist()) == set(torch.topk(score, 64 - 20).indices.tolist())
 
 
+@pytest.mark.parametrize("select", ["act_norm", "penalty"])
+def test_an_anchored_refit_lies_between_the_dense_weights_and_least_squares(loaded, windows, select):
+    """``anchor`` moves the refit from least squares (0) toward the kept channels' dense weights (update none):
+    its calibration error lies between theirs and grows with the anchor, on the same kept channels."""
+    problem = _layer_problem(loaded, windows)
+    runs = {a: sl.get_method("spap", select=select, update="ls", K=5, anchor=a).prune(problem) for a in (0, 0.1, 10)}
+    dense = sl.get_method("spap", select=select, update="none", K=5).prune(problem)
+    assert all(torch.equal(r.keep, dense.keep) for r in runs.values())
+    error = {a: calibration_error(r.mlp, problem.X, problem.Y, 64) for a, r in runs.items()}
+    assert error[0] < error[0.1] < error[10] < calibration_error(dense.mlp, problem.X, problem.Y, 64)
+    moved = {a: float((r.mlp.W_out - dense.mlp.W_out).norm()) for a, r in runs.items()}
+    assert moved[0] > moved[0.1] > moved[10]
+    assert "anchor" not in sl.get_method("spap", update="none", anchor=1.0).effective_hparams()
+
+
 @pytest.mark.parametrize("update, margin", [({"update_precision": "full"}, 0.9), ({}, 0.95)], ids=["paper", "bf16"])
 @pytest.mark.parametrize("index", [0, 2])
 def test_spap_fits_better_than_its_channels_dense_and_than_fasp(loaded, windows, index, update, margin):

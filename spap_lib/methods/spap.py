@@ -293,13 +293,14 @@ def alternating_update(
     W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float, low: bool) -> float:
-        """(2) the output projection on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹; its relative error."""
+    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float | None, low: bool) -> float:
+        """(2) the output projection on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹; its error relative to ``YY`` (NaN
+        when ``YY`` is None: not needed)."""
         with torch.no_grad():
             H, YZ = gram(m, X, chunk, Y, dtype=dtype, low=low)
             W = ridge(YZ, H, damping(H, n, damp))
             m.set_out_augmented(W)
-            return reconstruction_error(W, H, YZ, YY) / YY
+            return float("nan") if YY is None else reconstruction_error(W, H, YZ, YY) / YY
 
     draws = iter(range(1, iters + 1))
 
@@ -309,7 +310,7 @@ def alternating_update(
         if not (resample and Xr is not X):
             return closed_form(m, Xr, Yr, YYr, low)
         Xs, Ys = subsample(X, Y, sketch_tokens, seed + next(draws))
-        closed_form(m, Xs, Ys, 1.0, low)
+        closed_form(m, Xs, Ys, None, low)
         with products(low, device):
             return calibration_error(m, Xr, Yr, chunk) / YYr
 
@@ -354,6 +355,10 @@ class SPAP(Method):
     # previous iteration's scores)
     threshold: str = hp("top", choices=("top", "previous"))
     damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (1e-4 and 1e-2 were worse)
+    # The least-squares refit of the kept columns drawn toward their dense weights, min ‖Y − W Z_K‖² + μ‖W − W₀_K‖²
+    # with μ = anchor·mean(diag(Z Zᵀ)): 0 is the plain refit (the paper's), a large anchor keeps the dense weights
+    # (update "none"); in between for a refit that overfits its calibration tokens. The update's rounds are plain.
+    anchor: float = hp(0.0, ge=0)
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
@@ -378,7 +383,7 @@ class SPAP(Method):
     allocations = ("uniform", "global", "angular", "error")
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
-    introduced = ("select", "update", "score_scale", "allocation", "error_tokens")
+    introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor")
 
     @property
     def uses_targets(self) -> bool:
@@ -400,8 +405,10 @@ class SPAP(Method):
         closed form to resample for (``gd``), the error curve's without the error allocation, the damping
         when nothing is solved for."""
         inert = set() if self.select == "penalty" else set(PENALTY_HPARAMS)
-        if self.select != "penalty" and self.update == "none":
-            inert.add("damp")  # nothing is solved for
+        if self.update == "none":
+            inert.add("anchor")  # nothing is refitted
+            if self.select != "penalty":
+                inert.add("damp")  # nothing is solved for
         if self.update not in ROUNDS:
             inert |= {"am_iters", *ROUND_HPARAMS}
         elif self.am_iters == 0:
@@ -468,17 +475,23 @@ class SPAP(Method):
         refitted by least squares on them, the penalty method's own last step."""
         dense, H, n = problem.dense, problem.H, problem.dense.width
         if self.select == "penalty":
-            return penalty_method(
+            keep, W_keep, info = penalty_method(
                 dense.out_augmented(), H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
                 t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
                 scale_free=self.score_scale == "layer")
+            return keep, self.refit(problem, keep) if self.anchor and self.update != "none" else W_keep, info
         stats = self.channel_stats(dense, problem.X, H, problem.chunk)
         keep = highest(SCORES[self.select](dense, stats), n - problem.n_remove)
-        if self.update == "none":
-            return keep, None, {}
-        W0 = dense.out_augmented().to(H.dtype)
-        cols = with_bias(keep, n, problem.has_bias)
-        return keep, lstsq_columns(W0 @ H, H, cols, self.damp * mean_diag(H[:n, :n])), {}
+        return keep, None if self.update == "none" else self.refit(problem, keep), {}
+
+    def refit(self, problem: LayerProblem, keep: torch.Tensor) -> torch.Tensor:
+        """The output projection's kept columns (+ bias) by least squares on the dense Gram matrix, drawn toward the
+        dense weights by ``anchor``."""
+        H, n = problem.H, problem.dense.width
+        W0 = problem.dense.out_augmented().to(H.dtype)
+        scale = mean_diag(H[:n, :n])
+        return lstsq_columns(W0 @ H, H, with_bias(keep, n, problem.has_bias), self.damp * scale, toward=W0,
+                             pull=self.anchor * scale)
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         keep, W_keep, info = self.choose(problem)
@@ -528,11 +541,12 @@ class SPAP(Method):
         W0 = mlp.out_augmented().to(H.dtype)
         YZ = W0 @ H  # Y Z̃ᵀ with Y = W0 Z̃
         YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
-        delta = self.damp * mean_diag(H[:n, :n])
+        scale = mean_diag(H[:n, :n])
         curve = []
         for r in curve_points(n):
             cols = with_bias(torch.sort(order[:n - r]).values, n, bias)
-            W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, delta)
+            W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, self.damp * scale, toward=W0,
+                                                                          pull=self.anchor * scale)
             curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / YY, 0.0)))
         return curve
 
