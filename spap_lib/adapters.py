@@ -36,9 +36,16 @@ class MLP:
         return self.W_out.shape[1]
 
     def hidden(self, X: torch.Tensor) -> torch.Tensor:
-        """Intermediate activations Z (the output projection's input) for MLP inputs X [N, d]."""
-        pre = [nn.functional.linear(X, W, b) for W, b in zip(self.W_in, self.b_in)]
-        return self.act(pre[0]) * pre[1] if self.glu else self.act(pre[0])
+        """Intermediate activations Z (the output projection's input) for MLP inputs X [N, d]. Without gradients at
+        most two ``[N, n]`` tensors live at a time (the activation, then the up projection multiplied in place):
+        the passes over the calibration tokens hold a chunk's ``Z`` at a 70B layer's n = 28,672, not four."""
+        if not self.glu:
+            return self.act(nn.functional.linear(X, self.W_in[0], self.b_in[0]))
+        gate = self.act(nn.functional.linear(X, self.W_in[0], self.b_in[0]))
+        up = nn.functional.linear(X, self.W_in[1], self.b_in[1])
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return gate * up  # autograd keeps both factors for the backward pass
+        return up.mul_(gate)  # the same products (multiplication commutes exactly)
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(self.hidden(X), self.W_out, self.b_out)

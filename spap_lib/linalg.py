@@ -73,6 +73,20 @@ def like(T: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 GRAM_BLOCKS = 8
 
 
+# A pass over the calibration tokens holds a chunk's activations, two ``[chunk, n]`` float32 tensors at their peak
+# (``MLP.hidden``). ``chunk_for`` keeps them under this many bytes: the default 8,192 tokens up to n = 5,120
+# (SmolLM2, Gemma-3-270M and Qwen2.5-0.5B pass in chunks of 8,192), fewer at wider layers (Qwen2.5-1.5B's
+# n = 8,960: 4,681 tokens; a 70B layer's n = 28,672: 1,462), where each product is still large enough to run at
+# full rate.
+CHUNK_BYTES = 320 * 2**20
+
+
+def chunk_for(n: int, chunk: int) -> int:
+    """Tokens per pass over the calibration tokens at MLP width ``n``: ``chunk``, or fewer where a chunk's two
+    activations would pass ``CHUNK_BYTES``. Only sums' order depends on it, never what is computed."""
+    return max(1, min(chunk, CHUNK_BYTES // (2 * n * 4)))
+
+
 def gram_flops(N: int, n: int) -> float:
     """What the plan counts for ``Zᵀ Z`` over ``N`` tokens of width ``n``: the whole product's operations. In a real
     pass the blocks save less than their share of the work (a SmolLM2 layer's FASP 18% faster, not the 25% that

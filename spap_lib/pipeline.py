@@ -16,7 +16,7 @@ from . import allocation as alloc
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec, check_sparsity
-from .linalg import NumericalError, check_finite, matmul_precision, nonfinite_parameters, resolve_precision
+from .linalg import NumericalError, check_finite, chunk_for, matmul_precision, nonfinite_parameters, resolve_precision
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .onload import Onloader
@@ -111,9 +111,10 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
                             inputs=onloader.calibration)
             check_finite(X, f"layer {i}: the MLP inputs")
             mlp = adapter.get_mlp(layer)
-            s = ChannelStats.of(mlp, X, chunk)
+            c = chunk_for(mlp.width, chunk)
+            s = ChannelStats.of(mlp, X, c)
             if curve is not None:
-                s.curve = curve(mlp, X, chunk, s)
+                s.curve = curve(mlp, X, c, s)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out

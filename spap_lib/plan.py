@@ -51,7 +51,7 @@ import torch
 from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
 from .evaluate import LOSS_CHUNK
-from .linalg import resolve_precision
+from .linalg import chunk_for, resolve_precision
 from .methods import DEFAULT_METHOD
 from .methods.base import Shapes
 from .onload import check_offload
@@ -267,7 +267,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
     fits_ls = algo.fits
-    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], chunk=chunk, p=p, b=b, vocab=V,
+    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], chunk=chunk_for(n, chunk), p=p, b=b, vocab=V,
                     tied=c["tied"])
     layer_bytes = c["decoder"] / L * b
     base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import spap_lib as sl
 from spap_lib.adapters import MLP
 from spap_lib.linalg import NumericalError, gram, lstsq_columns, ridge
 from spap_lib.methods.spap import alternating_update, penalty_method
@@ -201,6 +202,40 @@ def test_dense_pass_with_targets_equals_the_two_passes():
     assert torch.equal(one.H, two.H) and torch.equal(one.Y, two.Y)
     first_y = LayerProblem(pruned, X, 3, chunk=700, targets=True)
     assert torch.equal(first_y.Y, two.Y) and torch.equal(first_y.H, two.H)
+
+
+def test_passes_without_gradients_compute_the_same_activations_in_less_memory():
+    """``MLP.hidden`` without gradients multiplies the up projection in place: bit for bit the product autograd
+    sees, in bf16 products too."""
+    pruned, X, _ = _update_problem()
+    with torch.no_grad():
+        lean = pruned.hidden(X)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lean_bf16 = pruned.hidden(X)
+    W = pruned.W_in[0].clone().requires_grad_()
+    graded = MLP([W, pruned.W_in[1]], pruned.b_in, pruned.W_out, None, pruned.act, glu=True)
+    assert torch.equal(lean, graded.hidden(X).detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(lean_bf16, graded.hidden(X).detach())
+
+
+def test_wide_layers_pass_in_chunks_whose_activations_fit_a_fixed_budget(monkeypatch):
+    from spap_lib import linalg
+    from spap_lib.linalg import CHUNK_BYTES, chunk_for
+    from spap_lib.methods import LayerProblem
+
+    assert [chunk_for(n, 8192) for n in (1536, 4864)] == [8192, 8192]  # the offline models: unchanged
+    for n in (8960, 14336, 28672):  # Qwen2.5-1.5B, LLaMA-3-8B, 70B
+        assert chunk_for(n, 8192) < 8192 and 2 * n * 4 * chunk_for(n, 8192) <= CHUNK_BYTES
+    assert chunk_for(28672, 100) == 100 and chunk_for(10**12, 8192) == 1
+    pruned, X, _ = _update_problem()
+    method = sl.get_method("fasp")
+    assert LayerProblem.of(method, pruned, X, 3, chunk=700).chunk == 700
+    # a budget of 100 tokens at this width: the same Gram matrix to float32 rounding, in smaller chunks
+    monkeypatch.setattr(linalg, "CHUNK_BYTES", 100 * 2 * pruned.width * 4)
+    small = LayerProblem.of(method, pruned, X, 3, chunk=700)
+    assert small.chunk == 100
+    torch.testing.assert_close(small.H, LayerProblem(pruned, X, 3, chunk=700, dtype=small.dtype).H, rtol=1e-4, atol=0)
 
 
 @pytest.mark.parametrize("lr_scale", ["rms", "absolute"])

@@ -16,7 +16,18 @@ import torch
 from .. import allocation as alloc
 from ..adapters import MLP
 from ..checks import ParameterError, check_fields, scalar
-from ..linalg import PRECISIONS, check_finite, gram, gram_and_outputs, gram_flops, outputs, resolve_precision, sq_norm
+from ..linalg import (
+    GRAM_BLOCKS,
+    PRECISIONS,
+    check_finite,
+    chunk_for,
+    gram,
+    gram_and_outputs,
+    gram_flops,
+    outputs,
+    resolve_precision,
+    sq_norm,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,7 @@ class LayerProblem:
         """The problem as ``method`` will see it: Gram sums and solves in its precision resolved for
         ``device`` (default: the dense MLP's), and its targets computed in the Gram pass when it uses them."""
         precision = resolve_precision(method.precision, dense.W_out.device if device is None else device)
+        kw["chunk"] = chunk_for(dense.width, kw.get("chunk", cls.chunk))  # memory-bound at wide layers
         return cls(dense, X, n_remove, dtype=PRECISIONS[precision], targets=method.uses_targets, **kw)
 
     @property
@@ -269,9 +281,9 @@ class Method:
         activations: the parts of its largest stage (the stages run one after another; only the dense MLP, float32
         ``(in_proj+1)·d·n·4``, lives through all of them). ``c`` tokens per chunk, ``k = n_keep``:
 
-        * the dense pass: the Gram matrix ``(n+1)²·p``; a chunk's activations (at most the input projections'
-          outputs, the activation and ``Z``; then ``Z`` and its block of ``Zᵀ Z``, ``linalg.add_gram``) and its
-          inputs and targets, ``c·((in_proj+2)·n + 2d)·4``;
+        * the dense pass: the Gram matrix ``(n+1)²·p``; a chunk's activations (two ``[c, n]`` at their peak,
+          ``MLP.hidden``), inputs and targets, ``c·(2n + 2d)·4``, and one block of ``Zᵀ Z`` (``linalg.add_gram``:
+          ``⌈(n+1)/B⌉`` rows, float32 and the sum's precision);
         * the solves: the Gram matrix and the damped system factorised in place, ``2·(n+1)²·p``
           (``linalg.solve_spd``); ``Y Zᵀ``, ``W`` and the right-hand sides ``3·d·(n+1)·p``;
         * the update's rounds (``uses_targets``; the dense Gram released): a round's Gram matrix and its system
@@ -280,17 +292,20 @@ class Method:
         if not self.fits:
             return {}
         m, c, k = s.in_proj, min(s.chunk, s.N), s.n_keep
+
+        def chunk_and_block(width: int) -> int:
+            return c * (2 * width + 2 * s.d) * 4 + -(-(width + 1) // GRAM_BLOCKS) * (width + 1) * (4 + s.p)
+
         dense = {"dense MLP (float32)": (m + 1) * s.d * s.n * 4}
         stages = {
-            "dense pass": {"Gram matrix": (s.n + 1) ** 2 * s.p,
-                           "a chunk and its Gram block": c * ((m + 2) * s.n + 2 * s.d) * 4},
+            "dense pass": {"Gram matrix": (s.n + 1) ** 2 * s.p, "a chunk and its Gram block": chunk_and_block(s.n)},
             "solves": {"Gram matrix + factor (2 n², in place)": 2 * (s.n + 1) ** 2 * s.p,
                        "Y Zᵀ, W, right-hand sides": 3 * s.d * (s.n + 1) * s.p}}
         if self.uses_targets:
             stages["update rounds"] = {"a round's Gram matrix + factor": 2 * (k + 1) ** 2 * s.p,
                                        "Y Zᵀ, W": 2 * s.d * (k + 1) * s.p,
                                        "pruned MLP, gradients, Adam moments": (4 * m + 1) * s.d * k * 4,
-                                       "a chunk and its Gram block": c * ((m + 2) * k + 2 * s.d) * 4}
+                                       "a chunk and its Gram block": chunk_and_block(k)}
         stage = max(stages, key=lambda name: sum(stages[name].values()))
         return dense | {f"{part} ({stage})": v for part, v in stages[stage].items()}
 

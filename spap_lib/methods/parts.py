@@ -16,8 +16,9 @@ and ``Z_j`` its input over the calibration tokens):
 * ``magnitude``: ``‖W[:, j]‖₂``.
 
 Updates: ``none`` (the kept channels' dense weights), ``ls`` (the output projection refitted by least
-squares on the kept channels; with ``anchor`` > 0 drawn toward their dense weights, between ``none`` and ``ls``), ``alternating`` (``ls``, then the paper's alternating minimisation, §3.3),
-``gd`` (``ls``, then Adam on every projection: the paper's "SPAP w. GD" ablation).
+squares on the kept channels; with ``anchor`` > 0 drawn toward their dense weights, between ``none`` and
+``ls``), ``alternating`` (``ls``, then the paper's alternating minimisation, §3.3), ``gd`` (``ls``, then Adam
+on every projection: the paper's "SPAP w. GD" ablation).
 """
 from __future__ import annotations
 
