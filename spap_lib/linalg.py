@@ -166,6 +166,20 @@ def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
     return Y
 
 
+def token_energies(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``‖mlp(x_t)‖²`` of every token ``[N]`` in float64, a chunk at a time on the MLP's device (the outputs are
+    never kept)."""
+    device = mlp.W_out.device
+    return torch.cat([mlp(rows(X, s, s + chunk, device).float()).double().pow(2).sum(1).cpu()
+                      for s in range(0, X.shape[0], chunk)])
+
+
+def top_share(energies: torch.Tensor, fraction: float = 0.01) -> float:
+    """The share of the summed ``energies`` that their largest ``fraction`` hold (at least one)."""
+    k = max(1, int(fraction * len(energies)))
+    return float(torch.topk(energies, k).values.sum() / energies.sum().clamp_min(torch.finfo(torch.float64).tiny))
+
+
 def sq_norm(Y: torch.Tensor, chunk: int = 8192, device=None) -> float:
     """``‖Y‖²`` accumulated in float64 a chunk of rows at a time on ``device`` (default: ``Y``'s; no float64 copy
     of ``Y``)."""

@@ -266,7 +266,6 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     p = 8 if precision == "float64" else 4
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
-    fits_ls = algo.fits
     shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], chunk=chunk_for(n, chunk), p=p, b=b, vocab=V,
                     tied=c["tied"])
     layer_bytes = c["decoder"] / L * b
@@ -275,9 +274,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
 
     # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
     resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
-    # MLP inputs X and (fitting methods) dense targets Y: on the device, but offloaded from a GPU in pinned host
-    # memory, streamed through the solver a chunk at a time (``Onloader.calibration``)
-    solver_inputs = (2 if fits_ls else 1) * N * d * b
+    # MLP inputs X and (a method whose update fits them token by token, ``uses_targets``) the dense targets Y: on the
+    # device, but offloaded from a GPU in pinned host memory, streamed through the solver a chunk at a time
+    # (``Onloader.calibration``). A least-squares refit needs only the Gram matrix: its Y is never made.
+    solver_inputs = (2 if algo.uses_targets else 1) * N * d * b
     streamed = gpu and not resident
     memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
               # layer inputs and outputs (resident only; offloaded they wait in host memory), X and Y

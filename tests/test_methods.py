@@ -233,6 +233,28 @@ def test_an_anchored_refit_lies_between_the_dense_weights_and_least_squares(load
     assert "anchor" not in sl.get_method("spap", update="none", anchor=1.0).effective_hparams()
 
 
+@pytest.mark.parametrize("update", ["ls", "alternating"])
+def test_a_layer_whose_output_energy_sits_in_a_few_tokens_keeps_its_dense_weights(loaded, windows, update):
+    """``concentrated``: where the largest 1% of tokens hold more of ‖Y‖² than it allows, the kept channels keep their
+    dense weights; elsewhere the update runs as without it. The share is measured, not assumed."""
+    problem = _layer_problem(loaded, windows)
+    X = problem.X.clone()
+    X[::100] *= 50  # one token in a hundred with massive inputs, as at the first positions of Qwen2.5's windows
+    massive = LayerProblem(dense=problem.dense, X=X, n_remove=20, layer_index=1)
+    assert problem.concentration < 0.2 < massive.concentration
+    hp = dict(select="act_norm", update=update, am_iters=2, adam_steps=2, batch_tokens=64)
+    for p, fits in ((problem, True), (massive, False)):
+        fresh = LayerProblem(dense=p.dense, X=p.X, n_remove=20, layer_index=1)
+        plain = sl.get_method("spap", **hp).prune(fresh)
+        guarded = sl.get_method("spap", concentrated=0.2, **hp).prune(
+            LayerProblem(dense=p.dense, X=p.X, n_remove=20, layer_index=1))
+        dense = p.dense.select(guarded.keep)
+        assert torch.equal(guarded.keep, plain.keep) and guarded.info["concentration"] == pytest.approx(p.concentration)
+        assert torch.equal(guarded.mlp.W_out, plain.mlp.W_out if fits else dense.W_out)
+        assert torch.equal(guarded.mlp.W_in[0], plain.mlp.W_in[0] if fits else dense.W_in[0])
+    assert "concentrated" not in sl.get_method("spap", update="none", concentrated=0.5).effective_hparams()
+
+
 @pytest.mark.parametrize("update, margin", [({"update_precision": "full"}, 0.9), ({}, 0.95)], ids=["paper", "bf16"])
 @pytest.mark.parametrize("index", [0, 2])
 def test_spap_fits_better_than_its_channels_dense_and_than_fasp(loaded, windows, index, update, margin):

@@ -18,7 +18,8 @@ and ``Z_j`` its input over the calibration tokens):
 Updates: ``none`` (the kept channels' dense weights), ``ls`` (the output projection refitted by least
 squares on the kept channels; with ``anchor`` > 0 drawn toward their dense weights, between ``none`` and
 ``ls``), ``alternating`` (``ls``, then the paper's alternating minimisation, §3.3), ``gd`` (``ls``, then Adam
-on every projection: the paper's "SPAP w. GD" ablation).
+on every projection: the paper's "SPAP w. GD" ablation). With ``concentrated`` < 1 a layer whose output energy
+sits in a few tokens (massive activations) keeps the dense weights of its kept channels whatever the update.
 """
 from __future__ import annotations
 

@@ -359,6 +359,10 @@ class SPAP(Method):
     # with μ = anchor·mean(diag(Z Zᵀ)): 0 is the plain refit (the paper's), a large anchor keeps the dense weights
     # (update "none"); in between for a refit that overfits its calibration tokens. The update's rounds are plain.
     anchor: float = hp(0.0, ge=0)
+    # A layer whose largest 1% of calibration tokens hold more than this share of the dense output energy ‖Y‖²
+    # (``LayerProblem.concentration``) keeps the kept channels' dense weights: there every fit above serves those few
+    # tokens (massive activations at the first positions) at the others' expense. 1 (the paper) fits every layer.
+    concentrated: float = hp(1.0, gt=0, le=1)
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
@@ -383,7 +387,7 @@ class SPAP(Method):
     allocations = ("uniform", "global", "angular", "error")
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
-    introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor")
+    introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated")
 
     @property
     def uses_targets(self) -> bool:
@@ -406,7 +410,7 @@ class SPAP(Method):
         when nothing is solved for."""
         inert = set() if self.select == "penalty" else set(PENALTY_HPARAMS)
         if self.update == "none":
-            inert.add("anchor")  # nothing is refitted
+            inert |= {"anchor", "concentrated"}  # nothing is refitted
             if self.select != "penalty":
                 inert.add("damp")  # nothing is solved for
         if self.update not in ROUNDS:
@@ -432,6 +436,9 @@ class SPAP(Method):
             stages["refit solve"] = one_refit
         if self.select in NEEDS_MEAN:
             stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks_of(s.N, s.chunk)}
+        if self.concentrated < 1 and self.update != "none" and not self.uses_targets:  # ``concentration``'s forward
+            stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
+                                         "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
             Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
             stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + gram_flops(Ne, s.n),
@@ -498,6 +505,10 @@ class SPAP(Method):
         mlp = problem.dense.select(keep)
         if self.update == "none":
             return PruneResult(mlp=mlp, keep=keep, info=info)
+        if self.concentrated < 1:
+            info["concentration"] = problem.concentration
+            if problem.concentration > self.concentrated:
+                return PruneResult(mlp=mlp, keep=keep, info=info)
         mlp.set_out_augmented(W_keep)
         if self.update in ROUNDS and self.am_iters > 0:
             adam = dict(lr=self.lr, batch_tokens=self.batch_tokens, chunk=problem.chunk, lr_scale=self.lr_scale,
