@@ -266,8 +266,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     p = 8 if precision == "float64" else 4
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
-    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], chunk=chunk_for(n, chunk), p=p, b=b, vocab=V,
-                    tied=c["tied"])
+    # a layer-wise method passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
+    # whole-model method's passes use ``chunk`` as it is
+    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], p=p, b=b, vocab=V, tied=c["tied"],
+                    chunk=chunk if algo.whole_model else chunk_for(n, chunk))
     layer_bytes = c["decoder"] / L * b
     base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head
     eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
