@@ -18,6 +18,7 @@ import torch
 import spap_lib as sl
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.linalg import chunk_for, token_energies, top_share
 
 
 @torch.no_grad()
@@ -30,12 +31,10 @@ def energy_shares(model: str, nsamples: int, seqlen: int) -> pd.DataFrame:
     for i, layer in enumerate(layers):
         hidden, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1,
                            watch=loaded.adapter.mlp_input_module(layer))
-        e = loaded.adapter.get_mlp(layer)(X.float()).double().pow(2).sum(1)  # ‖y_t‖², tokens window by window
-        top = torch.sort(e, descending=True).values
-        total = float(e.sum())
-        rows.append({"layer": i, "largest token": float(top[0]) / total,
-                     "largest 1% of tokens": float(top[:max(1, len(e) // 100)].sum()) / total,
-                     "first position of each window": float(e.view(nsamples, seqlen)[:, 0].sum()) / total})
+        mlp = loaded.adapter.get_mlp(layer)
+        e = token_energies(X, chunk_for(mlp.width, 8192), mlp.W_out.device, mlp=mlp)  # ‖y_t‖², window by window
+        rows.append({"layer": i, "largest token": top_share(e, 0.0), "largest 1% of tokens": top_share(e, 0.01),
+                     "first position of each window": float(e.view(nsamples, seqlen)[:, 0].sum() / e.sum())})
     return pd.DataFrame(rows)
 
 

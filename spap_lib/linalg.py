@@ -166,12 +166,13 @@ def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
     return Y
 
 
-def token_energies(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``‖mlp(x_t)‖²`` of every token ``[N]`` in float64, a chunk at a time on the MLP's device (the outputs are
-    never kept)."""
-    device = mlp.W_out.device
-    return torch.cat([mlp(rows(X, s, s + chunk, device).float()).double().pow(2).sum(1).cpu()
-                      for s in range(0, X.shape[0], chunk)])
+def token_energies(T: torch.Tensor, chunk: int, device, mlp=None) -> torch.Tensor:
+    """``‖t‖²`` of every row of ``T`` ``[N]`` in float64 (on the CPU), a chunk at a time on ``device``; with ``mlp``,
+    ``‖mlp(t)‖²``: the MLP's output energy per token, the outputs never kept."""
+    def energy(s: int) -> torch.Tensor:
+        block = rows(T, s, s + chunk, device)
+        return (block if mlp is None else mlp(block.float())).double().pow(2).sum(1).cpu()
+    return torch.cat([energy(s) for s in range(0, T.shape[0], chunk)])
 
 
 def top_share(energies: torch.Tensor, fraction: float = 0.01) -> float:

@@ -21,6 +21,15 @@ CASES = {  # label: (method, hyperparameters)
     "spap_no_update/allocation=angular": ("spap_no_update", {"K": 5, "allocation": "angular"}),
 }
 ARCHS = ("opt", "llama", "qwen2")
+# How far a weight sum may move, as a fraction of its layer's largest sum of |.|: float32 kernels differ between CPUs
+# (torch's AVX-512, AVX2 and default paths), and Adam's normalised steps carry that into the weights. Measured on
+# these cases across the three paths: at most 2.6e-6 without Adam steps and 6.2e-4 with; two different updates
+# differ by 2.5e-3 or more. The kept channels agree exactly on every path at this calibration size.
+TOLERANCE = {"adam": 2e-3, "closed form": 1e-5}
+
+
+def tolerance(label: str) -> float:
+    return TOLERANCE["adam" if CASES[label][1].get("adam_steps") else "closed form"]
 
 
 def snapshot(arch: str, method: str, hparams: dict) -> dict:
@@ -33,7 +42,7 @@ def snapshot(arch: str, method: str, hparams: dict) -> dict:
 
     if method == "flap" and arch == "qwen2":
         hparams = {**hparams, "bias": False}  # no bias slot
-    windows = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    windows = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
     calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
     model = tiny_model(arch)
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))

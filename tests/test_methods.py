@@ -12,7 +12,7 @@ from spap_lib import allocation
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.data import Calibration
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.spap import calibration_error
+from spap_lib.methods.spap import SPAP, calibration_error
 from spap_lib.pipeline import dense_stats
 from spap_lib.stats import ChannelStats
 
@@ -57,8 +57,9 @@ def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_t
 def test_presets_reproduce_their_methods():
     """Every method is a preset of the parts (``methods.parts``): each keeps the channels, and ends with the
     weights, pinned in tests/data/presets.json (``python tests/presets.py`` says how to rewrite it for a
-    change meant to alter a result)."""
-    from presets import ARCHS, CASES, snapshot
+    change meant to alter a result). The weights' sums may move by what CPUs' float32 kernels differ by
+    (``presets.TOLERANCE``)."""
+    from presets import ARCHS, CASES, snapshot, tolerance
 
     reference = json.loads((Path(__file__).parent / "data" / "presets.json").read_text())
     assert set(reference) == {f"{a}/{label}" for a in ARCHS for label in CASES}
@@ -66,9 +67,10 @@ def test_presets_reproduce_their_methods():
         arch, label = key.split("/", 1)
         got = snapshot(arch, *CASES[label])
         assert got["kept"] == expected["kept"], key
-        def flat(sums):
-            return [v for layer in sums for tensor in layer for v in tensor]
-        assert flat(got["sums"]) == pytest.approx(flat(expected["sums"]), rel=1e-6, abs=1e-9), key
+        for i, (layer, pinned) in enumerate(zip(got["sums"], expected["sums"], strict=True)):
+            scale = max(abs_sum for _, abs_sum in pinned)
+            moved = max(abs(a - b) for tensor, ref in zip(layer, pinned, strict=True) for a, b in zip(tensor, ref))
+            assert moved <= tolerance(label) * scale, f"{key} layer {i}: sums moved {moved:.3g} of {scale:.3g}"
 
 
 def test_error_allocation_spends_the_budget_where_channels_matter_least(windows):
@@ -234,9 +236,11 @@ def test_an_anchored_refit_lies_between_the_dense_weights_and_least_squares(load
 
 
 @pytest.mark.parametrize("update", ["ls", "alternating"])
-def test_a_layer_whose_output_energy_sits_in_a_few_tokens_keeps_its_dense_weights(loaded, windows, update):
+def test_a_layer_whose_output_energy_sits_in_a_few_tokens_keeps_its_dense_weights(loaded, windows, update,
+                                                                                  monkeypatch):
     """``concentrated``: where the largest 1% of tokens hold more of ‖Y‖² than it allows, the kept channels keep their
-    dense weights; elsewhere the update runs as without it. The share is measured, not assumed."""
+    dense weights, with no refit solved; elsewhere the update runs as without it. The share is measured, not
+    assumed."""
     problem = _layer_problem(loaded, windows)
     X = problem.X.clone()
     X[::100] *= 50  # one token in a hundred with massive inputs, as at the first positions of Qwen2.5's windows
@@ -246,8 +250,13 @@ def test_a_layer_whose_output_energy_sits_in_a_few_tokens_keeps_its_dense_weight
     for p, fits in ((problem, True), (massive, False)):
         fresh = LayerProblem(dense=p.dense, X=p.X, n_remove=20, layer_index=1)
         plain = sl.get_method("spap", **hp).prune(fresh)
+        refits = []
+        spy = SPAP.refit
+        monkeypatch.setattr(SPAP, "refit", lambda self, *a: refits.append(1) or spy(self, *a))
         guarded = sl.get_method("spap", concentrated=0.2, **hp).prune(
             LayerProblem(dense=p.dense, X=p.X, n_remove=20, layer_index=1))
+        monkeypatch.undo()
+        assert len(refits) == int(fits)
         dense = p.dense.select(guarded.keep)
         assert torch.equal(guarded.keep, plain.keep) and guarded.info["concentration"] == pytest.approx(p.concentration)
         assert torch.equal(guarded.mlp.W_out, plain.mlp.W_out if fits else dense.W_out)

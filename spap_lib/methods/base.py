@@ -26,7 +26,6 @@ from ..linalg import (
     gram_flops,
     outputs,
     resolve_precision,
-    rows,
     sq_norm,
     token_energies,
     top_share,
@@ -130,11 +129,11 @@ class LayerProblem:
         where a few positions carry massive activations (Qwen2.5-0.5B's layers 2, 3, 21 and 22 at their first
         positions; bench/results/output_energy_qwen2.5-coder-0.5b.md). From ``Y`` where it exists, else one forward
         pass of the dense MLP."""
+        device = self.dense.W_out.device
         if "Y" in self.__dict__:
-            energies = torch.cat([rows(self.Y, s, s + self.chunk, "cpu").double().pow(2).sum(1)
-                                  for s in range(0, self.Y.shape[0], self.chunk)])
+            energies = token_energies(self.Y, self.chunk, device)
         else:
-            energies = token_energies(self.dense, self.X, self.chunk)
+            energies = token_energies(self.X, self.chunk, device, mlp=self.dense)
         return top_share(energies)
 
     def _dense_pass(self) -> None:

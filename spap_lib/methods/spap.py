@@ -478,18 +478,16 @@ class SPAP(Method):
         return ChannelStats.norms(torch.diagonal(H)[:mlp.width], X.shape[0])
 
     def choose(self, problem: LayerProblem) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-        """The selection: the kept channels (sorted), and (an update other than ``none``) the output projection
-        refitted by least squares on them, the penalty method's own last step."""
+        """The selection: the kept channels (sorted), the penalty method's own refitted output projection (Alg. 1's
+        last step; ``None`` for the other selections) and diagnostics."""
         dense, H, n = problem.dense, problem.H, problem.dense.width
         if self.select == "penalty":
-            keep, W_keep, info = penalty_method(
+            return penalty_method(
                 dense.out_augmented(), H, problem.n_remove, bias=problem.has_bias, rho0=self.rho0, tau=self.tau,
                 t=self.t, alpha=self.alpha, K=self.K, damp=self.damp, threshold=self.threshold,
                 scale_free=self.score_scale == "layer")
-            return keep, self.refit(problem, keep) if self.anchor and self.update != "none" else W_keep, info
         stats = self.channel_stats(dense, problem.X, H, problem.chunk)
-        keep = highest(SCORES[self.select](dense, stats), n - problem.n_remove)
-        return keep, None if self.update == "none" else self.refit(problem, keep), {}
+        return highest(SCORES[self.select](dense, stats), n - problem.n_remove), None, {}
 
     def refit(self, problem: LayerProblem, keep: torch.Tensor) -> torch.Tensor:
         """The output projection's kept columns (+ bias) by least squares on the dense Gram matrix, drawn toward the
@@ -509,6 +507,8 @@ class SPAP(Method):
             info["concentration"] = problem.concentration
             if problem.concentration > self.concentrated:
                 return PruneResult(mlp=mlp, keep=keep, info=info)
+        if W_keep is None or self.anchor:  # the penalty method's refit is the plain one (``anchor`` 0)
+            W_keep = self.refit(problem, keep)
         mlp.set_out_augmented(W_keep)
         if self.update in ROUNDS and self.am_iters > 0:
             adam = dict(lr=self.lr, batch_tokens=self.batch_tokens, chunk=problem.chunk, lr_scale=self.lr_scale,
