@@ -130,14 +130,17 @@ class Adapter:
 
     # -- tensors in and out -----------------------------------------------------------------
     def get_mlp(self, layer: nn.Module) -> MLP:
+        """The layer's MLP in float32. Float32 weights are the module's own tensors, not copies (0.16 GB less at a
+        Qwen2.5-1.5B layer): nothing writes to a dense MLP (``MLP.select`` copies what a method changes) and
+        ``set_mlp`` replaces the modules rather than writing into them."""
         owner = self.mlp_owner(layer)
         ins = [getattr(owner, n) for n in self.in_names]
         out = getattr(owner, self.out_name)
         return MLP(
-            W_in=[m.weight.detach().float().clone() for m in ins],
-            b_in=[None if m.bias is None else m.bias.detach().float().clone() for m in ins],
-            W_out=out.weight.detach().float().clone(),
-            b_out=None if out.bias is None else out.bias.detach().float().clone(),
+            W_in=[m.weight.detach().float() for m in ins],
+            b_in=[None if m.bias is None else m.bias.detach().float() for m in ins],
+            W_out=out.weight.detach().float(),
+            b_out=None if out.bias is None else out.bias.detach().float(),
             act=self.activation(layer),
             glu=len(self.in_names) == 2,
         )

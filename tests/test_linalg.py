@@ -269,6 +269,28 @@ def test_nan_and_singular_gram_raise_clear_errors():
         solve_spd(torch.zeros(3, 3), torch.ones(3, 1))
 
 
+def test_nonfinite_counts_block_by_block_without_a_copy_of_the_tensor():
+    """NaN and Inf are counted across block boundaries; checking a 256 MB tensor raises the process's peak by far
+    less than ``torch.isfinite`` of the whole of it would (|T| and two masks: 640 MB)."""
+    from spap_lib.linalg import nonfinite, nonfinite_parameters
+    from spap_lib.memory import peak_rss_mb, reset_peak_rss, rss_mb
+
+    T = torch.zeros(10, 7)
+    T[0, 0], T[3, 5], T[9, 6] = float("nan"), float("inf"), -float("inf")
+    assert nonfinite(T, block=8) == (1, 2) == nonfinite(T.T, block=3)  # a transposed view is counted too
+    assert nonfinite(torch.ones(5)) == (0, 0)
+    model = torch.nn.Linear(7, 10)
+    with torch.no_grad():
+        model.weight.copy_(T)
+    assert nonfinite_parameters(model) == ["weight: 1 NaN, 2 Inf"]
+    big = torch.ones(2**26)
+    if not reset_peak_rss():
+        pytest.skip("no resettable peak resident set here")
+    before = rss_mb()
+    assert nonfinite(big) == (0, 0)
+    assert peak_rss_mb() - before < 128
+
+
 def test_float32_solves_are_jacobi_scaled_and_match_float64():
     """Activation Gram matrices span many orders of magnitude (here 1e-6 … 1e6 on the diagonal): the
     float32 solve (scaled to unit diagonal) matches the float64 one."""

@@ -293,8 +293,9 @@ class Method:
 
     def working_set(self, s: Shapes) -> dict[str, float]:
         """Bytes the method holds on the device while it prunes one layer, beyond the weights and the calibration
-        activations: the parts of its largest stage (the stages run one after another; only the dense MLP, float32
-        ``(in_proj+1)·d·n·4``, lives through all of them). ``c`` tokens per chunk, ``k = n_keep``:
+        activations: the parts of its largest stage (the stages run one after another; only the dense MLP lives through
+        all of them: a float32 copy ``(in_proj+1)·d·n·4`` of weights in another dtype, the layer's own float32
+        ones). ``c`` tokens per chunk, ``k = n_keep``:
 
         * the dense pass: the Gram matrix ``(n+1)²·p``; a chunk's activations (two ``[c, n]`` at their peak,
           ``MLP.hidden``), inputs and targets, ``c·(2n + 2d)·4``, and one block of ``Zᵀ Z`` (``linalg.add_gram``:
@@ -311,7 +312,7 @@ class Method:
         def chunk_and_block(width: int) -> int:
             return c * (2 * width + 2 * s.d) * 4 + -(-(width + 1) // GRAM_BLOCKS) * (width + 1) * (4 + s.p)
 
-        dense = {"dense MLP (float32)": (m + 1) * s.d * s.n * 4}
+        dense = {"dense MLP (float32)": (m + 1) * s.d * s.n * 4} if s.b != 4 else {}  # ``Adapter.get_mlp``
         stages = {
             "dense pass": {"Gram matrix": (s.n + 1) ** 2 * s.p, "a chunk and its Gram block": chunk_and_block(s.n)},
             "solves": {"Gram matrix + factor (2 n², in place)": 2 * (s.n + 1) ** 2 * s.p,
