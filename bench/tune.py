@@ -15,6 +15,7 @@ import sys
 import time
 from contextlib import ExitStack
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -75,6 +76,8 @@ def main(argv=None) -> None:
                          "is the base point with these overrides; 'method' names another registered method)")
     ap.add_argument("--held", type=int, default=None, help="held-out windows (default nsamples // 4, at least 4); "
                     "the same count and seqlen give the same windows, so runs at two budgets compare")
+    ap.add_argument("--repeat", type=int, default=1, help="time every setting on every layer this many times, "
+                    "interleaved; a layer's time is the median")
     ap.add_argument("--out", default="bench/results/tune.csv")
     args = ap.parse_args(argv)
 
@@ -107,7 +110,7 @@ def main(argv=None) -> None:
             grids.append((hp, "points", "point"))
     elif args.which == "methods":
         grids = [({**base, "method": m}, "methods", "method") for m in args.methods.split(",")]
-    rows = []
+    methods = []
     for hp, stage, varied in grids:
         name = hp.get("method", "spap")
         known = sl.get_method(name).hparams()
@@ -115,28 +118,42 @@ def main(argv=None) -> None:
         # differ from SPAP's (spap_gd: sketch_resample=False)
         point = scalar_point(hp["point"]) if stage == "points" else {}
         chosen = {k: v for k, v in hp.items() if k in overrides or k == varied or k in point or base.get(k) != v}
-        method = sl.get_method(name, **{k: v for k, v in chosen.items() if k in known})
+        methods.append((hp, stage, varied, sl.get_method(name, **{k: v for k, v in chosen.items() if k in known})))
+    # Every setting on a layer before the next layer, ``--repeat`` times over: a CPU's speed drifts over minutes,
+    # so the settings compared share each stretch of it; a setting's time on a layer is the median of its runs.
+    times: dict = {}
+    rows = []
+    for r in range(args.repeat):
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
-            t0 = time.perf_counter()
-            res = method.prune(LayerProblem.of(method, dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
-            secs = time.perf_counter() - t0
-            Y = dense(X_held[i])
-            err = float((res.mlp(X_held[i]) - Y).pow(2).sum() / Y.pow(2).sum())
-            rows.append({"stage": stage, "varied": varied, "value": hp[varied], "layer": i, "heldout_rel_error": err,
-                         "fit_rel_error": res.info.get("rel_error_final"), "seconds": secs, **hp})
-            print(stage, varied, hp[varied], i, f"{err:.5f}", f"{secs:.1f}s", flush=True)
-        write_csv_atomic(args.out, pd.DataFrame(rows))  # every finished point kept, should a later one fail
+            for j, (hp, stage, varied, method) in enumerate(methods):
+                t0 = time.perf_counter()
+                res = method.prune(LayerProblem.of(method, dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
+                times.setdefault((j, i), []).append(time.perf_counter() - t0)
+                print(stage, varied, hp[varied], i, f"run {r + 1}", f"{times[j, i][-1]:.1f}s", flush=True)
+                if r:
+                    continue
+                Y = dense(X_held[i])
+                err = float((res.mlp(X_held[i]) - Y).pow(2).sum() / Y.pow(2).sum())
+                rows.append({"stage": stage, "varied": varied, "value": hp[varied], "layer": i,
+                             "heldout_rel_error": err, "fit_rel_error": res.info.get("rel_error_final"),
+                             "point_index": j, **hp})
+                print(stage, varied, hp[varied], i, f"{err:.5f}", flush=True)
+            for row in rows:
+                row["seconds"] = float(np.median(times[row["point_index"], row["layer"]]))
+                row["runs"] = len(times[row["point_index"], row["layer"]])
+            write_csv_atomic(args.out, pd.DataFrame(rows))  # every finished layer kept, should a later one fail
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
     summary = frame.groupby(["stage", "varied", "value"], sort=False)[["heldout_rel_error", "seconds"]].mean()
     if args.points and "method=fasp" in args.points.split(";"):  # time as a multiple of FASP's, same run
         summary["seconds / fasp"] = summary["seconds"] / summary.loc[("points", "point", "method=fasp"), "seconds"]
     command = " ".join(["python", "bench/tune.py", *(sys.argv[1:] if argv is None else argv)])
+    runs = f" (the median of {args.repeat} runs, the settings interleaved layer by layer)" if args.repeat > 1 else ""
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# SPAP hyperparameter sweep\n\nCommand: `{command}`  \ngit: {git_revision()}  \n"
         f"Base point: `{base}`; layers {layers}; fit {fit.describe()}; held-out {held.describe()}.\n"
-        f"Mean over layers of the held-out relative error (lower is better) and seconds per layer:\n\n"
+        f"Mean over layers of the held-out relative error (lower is better) and seconds per layer{runs}:\n\n"
         f"{summary.to_markdown()}\n"))
     print(summary.to_string())
 

@@ -82,6 +82,25 @@ def test_one_penalty_iteration_removes_the_first_score_step():
     assert info["moved"] == len((set(range(Z.shape[0])) - set(keep.tolist())) - first)
 
 
+def test_patience_ends_the_penalty_loop_where_the_marked_set_settles():
+    """``patience`` p: the loop stops after p unchanged s-steps (p + 1 iterations where the first set stays), and
+    counts afresh when the set moves; here, as on the real layers measured, the kept channels and the refit are
+    all K iterations' to the bit."""
+    Z, _ = _data(seed=1)
+    Z = Z + 0.9 * Z[torch.randperm(12, generator=torch.Generator().manual_seed(1))]  # correlated channels
+    W0 = torch.randn(5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(101))
+    kw = dict(bias=False, rho0=1e-2, tau=1.5, t=1.0, alpha=0.5, K=20, damp=0.0)
+    keep, W, info = penalty_method(W0, Z @ Z.T, 5, **kw)
+    assert info["iterations"] == 20 and info["moved"] == 1  # the set moves once, after the first s-step
+    for p in (1, 2, 3):
+        keep_p, W_p, info_p = penalty_method(W0, Z @ Z.T, 5, **kw, patience=p)
+        assert info_p["iterations"] == p + 2 and info_p["moved"] == 1  # one move: the count starts again
+        assert torch.equal(keep_p, keep) and torch.equal(W_p, W)
+    Z, _ = _data()
+    _, _, info = penalty_method(W0, Z @ Z.T, 5, **kw, patience=3)
+    assert info["iterations"] == 4 and info["moved"] == 0  # a set that never moves: p + 1 iterations
+
+
 @pytest.mark.parametrize("threshold", ["top", "previous"])
 def test_penalty_method_finds_planted_support(threshold):
     """Outputs that depend on a subset of channels only (plus a bias): that subset is kept."""
@@ -392,6 +411,28 @@ def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(m
     assert err == pytest.approx(errors["final"], rel=1e-4) and errors["final"] < 0.9 * errors["start"]
 
 
+def test_resampled_rounds_are_ranked_on_rank_tokens(monkeypatch):
+    """With resampling the rounds are ranked by a forward pass on a sample of ``rank_tokens`` (0: ``sketch_tokens``);
+    without it the one sample ranks the rounds it fits, and ``rank_tokens`` decides nothing."""
+    import spap_lib as sl
+    import spap_lib.methods.spap as spap_mod
+
+    pruned, X, Y = _update_problem()
+    H, YZ = gram(pruned, X, 700, Y)
+    ranked, real = [], spap_mod.calibration_error
+    monkeypatch.setattr(spap_mod, "calibration_error", lambda m, X_, *a, **k: ranked.append(len(X_)) or
+                        real(m, X_, *a, **k))
+    for rank_tokens, expected in ((200, 200), (0, 500)):
+        ranked.clear()
+        alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), iters=4, adam_steps=5, lr=1e-2,
+                           batch_tokens=512, damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True, resample=True,
+                           rank_tokens=rank_tokens)
+        assert ranked == [expected] * 4
+    assert "rank_tokens" in sl.get_method("spap").effective_hparams()
+    assert "rank_tokens" not in sl.get_method("spap", sketch_resample=False).effective_hparams()
+    assert "rank_tokens" not in sl.get_method("spap", sketch_tokens=0).effective_hparams()
+
+
 def test_resampling_is_inert_for_gradient_descent():
     """``gd`` has no closed form to draw samples for: its resampling setting acts nowhere, so it is not part of
     the settings that decide a result (a grid row of either value is the same run)."""
@@ -421,3 +462,25 @@ def test_gram_blocks_sum_what_the_whole_product_does():
         mirror(H)
         assert torch.equal(H, H.T)
         assert torch.allclose(H.double(), whole, rtol=tol, atol=tol * float(whole.abs().max()))
+
+
+def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode():
+    """``exact_bf16_products``: a Gram pass over bf16 values is their float32 Gram matrix (products of bf16 values
+    are exact; only the sums' order may differ), and the process's float32 product mode is restored, on an error
+    too."""
+    from spap_lib.linalg import add_gram, exact_bf16_products, mirror
+
+    Z = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)).bfloat16().float()
+    H, mode = torch.zeros(40, 40), torch.backends.mkldnn.matmul.fp32_precision
+    with exact_bf16_products(True, "cpu"):
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+        add_gram(H, Z)
+    mirror(H)
+    assert torch.backends.mkldnn.matmul.fp32_precision == mode
+    exact = Z.double().T @ Z.double()
+    assert float((H.double() - exact).abs().max()) <= 1e-6 * float(exact.abs().max())
+    with pytest.raises(RuntimeError), exact_bf16_products(True, "cpu"):
+        raise RuntimeError
+    assert torch.backends.mkldnn.matmul.fp32_precision == mode
+    with exact_bf16_products(False, "cpu"):  # off: nothing changes
+        assert torch.backends.mkldnn.matmul.fp32_precision == mode
