@@ -211,13 +211,13 @@ def effective(method: str, hparams: dict) -> dict:
 
 
 def before(method: str) -> dict:
-    """What a row of ``method`` recorded before an option of ``Method.introduced`` or ``Method.earlier`` existed ran
-    with: its default, or the value ``earlier`` names where the option came with a new default."""
+    """What a row of ``method`` recorded before an option of ``Method.introduced`` existed ran with: its
+    default (such options were added with the earlier behaviour as their default)."""
     if method == "dense":
         return {}
     algo = get_method(method)
     defaults = algo.hparams()
-    return {k: defaults[k] for k in algo.introduced if k in defaults} | algo.earlier
+    return {k: defaults[k] for k in algo.introduced if k in defaults}
 
 
 def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool:

@@ -210,10 +210,8 @@ class Method:
     # Gram accumulation and solve precision; methods that solve declare it as a hyperparameter.
     precision = "float64"
     # Hyperparameters added with the earlier behaviour as their default: a result recorded before one of them
-    # existed ran that default (``grid.ran_with``); ``earlier``: those added with a new default, and the value
-    # that gives the earlier behaviour.
+    # existed ran that default (``grid.ran_with``).
     introduced: ClassVar[tuple[str, ...]] = ()
-    earlier: ClassVar[dict] = {}
     # Whether the method transforms the whole model (``prune_model``: SliceGPT slices the residual
     # stream) instead of pruning each MLP's channels (``prune``: everything else).
     whole_model: ClassVar[bool] = False

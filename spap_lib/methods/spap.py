@@ -49,12 +49,11 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
   backward, ``Z`` and ``Y Zᵀ``) take bf16 inputs with float32 sums (``update_precision="bf16"``). The
   best round's output projection is then refitted once on every token at ``precision``, and the start
   wins unless that refit beats it. With ``sketch_resample`` (default) each round's closed form draws a
-  fresh sample, so the rounds together see most of the tokens; they are ranked by a forward pass on another
-  sample of ``rank_tokens`` tokens. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
-* The penalty loop ends early (``patience``, default 3): once ``s_new`` has marked the same channels at 3
-  consecutive s-steps, the rest of the K iterations are skipped. Alg. 1 runs all K; on every layer measured the
-  marked set had settled by then and the skipped iterations left it as it was, so the kept channels and the refit
-  are the same. ``patience=0`` is Alg. 1.
+  fresh sample, so the rounds together see most of the tokens; they are ranked by a forward pass on the first
+  sample, or on ``rank_tokens`` of its tokens. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
+* An option, ``patience`` (default 0, Alg. 1): the penalty loop ends once ``s_new`` has marked the same channels
+  at that many consecutive s-steps. With 3, on every layer measured the marked set had settled by then and the
+  skipped iterations left it as it was, so the kept channels and the refit were the same.
 """
 from __future__ import annotations
 
@@ -374,10 +373,9 @@ class SPAP(Method):
     rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
     tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
     K: int = hp(20, ge=1)  # penalty iterations (10, 20, 30 gave the same masks; 20 lets ρ grow ~3000x)
-    # End the loop once s_new has marked the same channels at this many consecutive s-steps (0: all K, the paper):
-    # on SmolLM2 and Qwen2.5-Coder-0.5B layers the marked set settles within 3 iterations and the rest leave it as
-    # it is (the same kept channels, bench/results/speed_*.md), at a fifth of the solves
-    patience: int = hp(3, ge=0)
+    # End the loop once s_new has marked the same channels at this many consecutive s-steps (0: all K, the paper).
+    # 3 kept every SmolLM2 and Qwen2.5-Coder-0.5B layer's channels at a fifth of the solves (patience_*.md)
+    patience: int = hp(0, ge=0)
     # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
     # previous iteration's scores)
     threshold: str = hp("top", choices=("top", "previous"))
@@ -408,8 +406,8 @@ class SPAP(Method):
     # sample: one fixed sample let the rounds overfit it (bench/results/speed_*.md)
     sketch_resample: bool = True
     # tokens of that first sample, which ranks the resampled rounds (0: ``sketch_tokens``): a ranking needs fewer
-    # tokens than a fit, and 4,096 kept the held-out error at a quarter of the ranking's passes (speed_*.md)
-    rank_tokens: int = hp(4096, ge=0)
+    # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes (speed_*_cheap.md)
+    rank_tokens: int = hp(0, ge=0)
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
     # "error" = the widths that minimise the layers' summed relative error (``error_curve``, ``allocation.by_error``)
@@ -417,8 +415,8 @@ class SPAP(Method):
     allocations = ("uniform", "global", "angular", "error")
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
-    introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated")
-    earlier = {"patience": 0, "rank_tokens": 0}
+    introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
+                  "rank_tokens")
 
     @property
     def uses_targets(self) -> bool:
