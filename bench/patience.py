@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sparsities", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     ap.add_argument("--nsamples", type=int, default=32)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--patience", type=int, default=sl.get_method("spap").patience)
+    ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--every", type=int, default=1, help="every this many layers (1: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
