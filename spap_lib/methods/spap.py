@@ -301,8 +301,8 @@ def alternating_update(
     round's output projection is then refitted once on every token at the method's precision (``best_round``). With
     ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
     so the output projection does not overfit one sample), and the rounds are ranked by the error of a
-    forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). Returns the MLP and the relative
-    calibration errors of the start, of every round (on the rounds' data) and of the result.
+    forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). Returns the MLP and
+    the relative calibration errors of the start, of every round (on the rounds' data) and of the result.
     """
     n, device = mlp.width, mlp.W_out.device
     sampled = 0 < sketch_tokens < X.shape[0]
