@@ -113,6 +113,36 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     assert kept[1] <= 32 and kept[1] <= min(kept[0], kept[2])  # at 8-channel steps a tie can remain
 
 
+def test_error_curves_weigh_every_token_by_its_own_output_energy():
+    """``error_weight="token"`` (the default) measures each token's error relative to its own output energy: one
+    token made massive (its input x1000, as massive activations are) barely moves the curve, while the summed
+    ``"energy"`` curve becomes that one token's. The per-token Gram pass is the explicitly weighted Gram matrix."""
+    from conftest import tiny_model
+
+    from spap_lib.linalg import gram
+
+    mlp = sl.get_adapter(model := tiny_model("llama")).get_mlp(model.model.layers[1])
+    X = torch.randn(512, mlp.W_out.shape[0], generator=torch.Generator().manual_seed(0))
+    massive = X.clone()
+    massive[0] *= 1000
+    with torch.no_grad():
+        Z = mlp.hidden(massive)
+        w = (Z @ mlp.W_out.T).double().square().sum(1).rsqrt()
+        explicit = (Z.double() * w[:, None]).T @ (Z.double() * w[:, None])
+        assert torch.allclose(gram(mlp, massive, 100, per_token=True), explicit, rtol=1e-4,
+                              atol=1e-5 * float(explicit.abs().max()))
+    stats = ChannelStats.of(mlp, X, 100)  # the same ranking for every curve: only the weighting differs
+
+    def curve(weight, X):
+        errors = [e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, stats)]
+        return torch.tensor(errors)
+
+    token = curve("token", X)
+    assert torch.all(curve("energy", X)[1:] > 0.01)  # channels matter to the ordinary tokens
+    assert torch.allclose(curve("token", massive), token, atol=1e-3)
+    assert torch.all(curve("energy", massive)[:-1] < 1e-3)  # flat until the last channel: the allocation's trap
+
+
 def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):
     loaded.tokenizer = tiny_tokenizer
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
