@@ -18,6 +18,12 @@ import math
 
 import torch
 
+# What each allocation reads of the dense pass (``pipeline.dense_stats``): the channels' statistics (a pass over
+# every token's ``Z`` at the dense width, ``ChannelStats.of``) or only each block's angular distance, which its
+# replay gives. A propagating method with the angular allocation reads nothing more, so its dense pass is the
+# replay alone.
+READS_CHANNELS = {"uniform": False, "global": True, "angular": False, "error": True}
+
 
 def _largest_remainder(quota: list[float], total: int, cap: list[int]) -> list[int]:
     """Integers ``≤ cap`` summing to ``total`` that round ``quota`` (Hamilton's method)."""

@@ -33,7 +33,7 @@ from .errors import ParameterError
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method, parse_label
 from .models import Loaded
-from .pipeline import dense_stats, needs_dense_stats
+from .pipeline import dense_stats, needs_channel_stats, needs_dense_stats
 from .resume import LayerCheckpoint
 
 # Columns that identify a cell: a row with the same values is not recomputed.
@@ -118,12 +118,13 @@ class Grid:
         self._passes: dict[str, tuple[list, float]] = {}
         self._eval_ids = None
 
-    def dense_pass(self, key: str = "", curve=None) -> tuple[list, float]:
-        """The dense statistics (with ``curve``'s error curves) computed once per ``key``, and their seconds."""
+    def dense_pass(self, key: str = "", curve=None, channels: bool = True) -> tuple[list, float]:
+        """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only)
+        computed once per ``key``, and their seconds."""
         if key not in self._passes:
             t0 = time.perf_counter()
             stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size, chunk=self.chunk,
-                                progress=self.progress, curve=curve)
+                                progress=self.progress, curve=curve, channels=channels)
             self._passes[key] = (stats, time.perf_counter() - t0)
         return self._passes[key]
 
@@ -141,8 +142,12 @@ class Grid:
         pruned = self.fresh()
         if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
             stats, seconds = self.dense_pass(variant.label, algo.error_curve)
-        else:
-            stats, seconds = self.dense_pass() if needs_dense_stats(algo, algo.propagates) else (None, 0.0)
+        elif not needs_dense_stats(algo, algo.propagates):
+            stats, seconds = None, 0.0
+        elif needs_channel_stats(algo, algo.propagates):
+            stats, seconds = self.dense_pass()
+        else:  # the angular distances alone: what a prune of this variant pays by itself
+            stats, seconds = self.dense_pass("blocks", channels=False)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)

@@ -95,26 +95,31 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
 
 
 def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
-                chunk: int = 8192, progress: bool = True, curve=None) -> list[ChannelStats]:
+                chunk: int = 8192, progress: bool = True, curve=None, channels: bool = True) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
     ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
-    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation.
+    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation. Without ``channels``
+    the pass is the layers' replay alone, for the angular distances (``ChannelStats.blocks_only``): no MLP
+    inputs kept, no pass over their activations.
     """
     onloader = onloader or _resident(adapter)
     hidden, kwargs = inputs
     stats = []
     for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
         with onloader.layer(i) as layer:
-            out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size,
-                            watch=adapter.mlp_input_module(layer), device=onloader.device, store=onloader.activations,
-                            inputs=onloader.calibration)
-            check_finite(X, f"layer {i}: the MLP inputs")
-            mlp = adapter.get_mlp(layer)
-            c = chunk_for(mlp.width, chunk)
-            s = ChannelStats.of(mlp, X, c)
-            if curve is not None:
-                s.curve = curve(mlp, X, c, s)
+            watch = adapter.mlp_input_module(layer) if channels or curve is not None else None
+            out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size, watch=watch,
+                            device=onloader.device, store=onloader.activations, inputs=onloader.calibration)
+            if X is None:
+                s = ChannelStats.blocks_only(hidden.shape[0] * hidden.shape[1])
+            else:
+                check_finite(X, f"layer {i}: the MLP inputs")
+                mlp = adapter.get_mlp(layer)
+                c = chunk_for(mlp.width, chunk)
+                s = ChannelStats.of(mlp, X, c)
+                if curve is not None:
+                    s.curve = curve(mlp, X, c, s)
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out
@@ -125,6 +130,12 @@ def needs_dense_stats(method: Method, propagate: bool) -> bool:
     """Dense statistics are used by methods that score dense channels without propagating, and by any
     non-uniform allocation (decided before the first layer is pruned)."""
     return (method.scores_dense and not propagate) or method.allocation != "uniform"
+
+
+def needs_channel_stats(method: Method, propagate: bool) -> bool:
+    """Whether that dense pass must measure the channels (``ChannelStats.of``), not only each block's angular
+    distance: for dense scores, and for an allocation that reads them (``allocation.READS_CHANNELS``)."""
+    return (method.scores_dense and not propagate) or alloc.READS_CHANNELS[method.allocation]
 
 
 def _resident(adapter: Adapter) -> Onloader:
@@ -178,7 +189,7 @@ def prune_model(
     scoring = method.scores_dense and not propagate  # a pass the method's scores need anyway
     if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
         stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
-                            curve=curve)
+                            curve=curve, channels=needs_channel_stats(method, propagate))
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \

@@ -21,8 +21,8 @@ class ChannelStats:
     """Sums over the N calibration tokens of one layer's MLP intermediate activations ``Z [N, n]``."""
 
     N: int
-    z_sum: torch.Tensor  # Σ_t Z_tj                 [n], float64
-    z_sq: torch.Tensor  # Σ_t Z_tj²  (= diag Z Zᵀ)  [n], float64
+    z_sum: torch.Tensor | None  # Σ_t Z_tj                 [n], float64 (None: not measured, ``blocks_only``)
+    z_sq: torch.Tensor | None  # Σ_t Z_tj²  (= diag Z Zᵀ)  [n], float64
     angular: float | None = None  # Σ_t arccos(cos(h_in,t, h_out,t))/π of the decoder block (CFSP)
     curve: list[tuple[int, float]] | None = None  # (channels removed, relative error): the "error" allocation
 
@@ -44,6 +44,12 @@ class ChannelStats:
     def norms(cls, z_sq: torch.Tensor, N: int) -> "ChannelStats":
         """Statistics that know ``‖Z_j‖²`` only (a Gram diagonal): the means read as NaN, never as zero."""
         return cls(N, torch.full_like(z_sq, float("nan")), z_sq)
+
+    @classmethod
+    def blocks_only(cls, N: int) -> "ChannelStats":
+        """No channel statistics, only room for the block's angular distance (an allocation that reads nothing
+        else: ``allocation.READS_CHANNELS``); reading a channel's statistics from it fails."""
+        return cls(N, None, None)
 
     @classmethod
     def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":

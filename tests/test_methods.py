@@ -418,6 +418,36 @@ def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp
                                    loaded.model(windows).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_only(windows, tiny_tokenizer,
+                                                                                       monkeypatch):
+    """Its widths read the blocks' angular distances alone: the dense pass keeps no MLP inputs and measures no
+    channel (``allocation.READS_CHANNELS``), and the widths are those of a pass that measures everything."""
+    from conftest import tiny_model
+
+    from spap_lib import pipeline, stats
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    inputs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 1, torch.device("cpu"))
+    full = dense_stats(loaded.adapter, inputs, progress=False)
+    measured = []
+    real = stats.ChannelStats.of
+    monkeypatch.setattr(stats.ChannelStats, "of", classmethod(lambda cls, *a, **k: measured.append(1) or real(*a, **k)))
+    method = sl.get_method("spap", **FAST, allocation="angular")
+    assert not pipeline.needs_channel_stats(method, propagate=True)
+    blocks = dense_stats(loaded.adapter, inputs, progress=False, channels=False)
+    assert not measured and [s.angular for s in blocks] == [s.angular for s in full]
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    total = plan.n_remove * len(full)
+    assert method.removals(blocks, plan.width, total) == method.removals(full, plan.width, total)
+    with pytest.raises(AttributeError):
+        blocks[0].norm  # noqa: B018 -- no channel statistics were measured, and reading them says so
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": "angular"}, progress=False)
+    assert not measured and [layer["removed"] for layer in report["layers"]] == \
+        method.removals(full, plan.width, total)
+
+
 def test_a_new_method_file_is_registered_and_drawn_without_editing_anything(tmp_path):
     """Auto-registration: a module dropped into spap_lib/methods/ is imported by the package, its
     method is in the registry, and figures order it from what the class declares."""
