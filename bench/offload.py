@@ -74,7 +74,7 @@ def one(args) -> dict:
     hparams = json.loads(args.hparams)
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
-    source = str(random_checkpoint(args.model, args.layers, _dtype(device))) if args.random else args.model
+    source = str(random_checkpoint(args.model, args.layers, random_dtype(device))) if args.random else args.model
     evaluated = dict(eval_seqlen=2, eval_windows=1) if args.random else \
         dict(eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows)  # random weights: no perplexity
     p = plan(source, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
@@ -82,9 +82,7 @@ def one(args) -> dict:
     spill = tempfile.mkdtemp(prefix="spap-bench-")
     loaded = sl.load(source, device=args.device, offload=args.offload, spill_dir=spill)
     if args.random:
-        windows = torch.randint(0, loaded.model.config.vocab_size, (args.nsamples, args.seqlen),
-                                generator=torch.Generator().manual_seed(0))
-        calib = Calibration(windows, [0] * args.nsamples, "random tokens", "random", windows.numel(), 0)
+        calib = random_calibration(loaded.model.config.vocab_size, args.nsamples, args.seqlen, seed=0)
     else:
         calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
     t_load = time.perf_counter() - t0
@@ -92,7 +90,7 @@ def one(args) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     result = {"model": args.model + (f" (random weights, {args.layers} layers)" if args.random else ""),
               "offload": args.offload, "method": args.method, "hparams": json.dumps(hparams),
-              "calibration": f"{args.nsamples} x {args.seqlen}", "device": _device_name(device),
+              "calibration": f"{args.nsamples} x {args.seqlen}", "device": device_name(device),
               "load s": round(t_load, 1), "peak host GB after load": round(peak_rss_mb() / 1024, 3)}
     if args.load_only:
         return result
@@ -123,11 +121,18 @@ def one(args) -> dict:
     return result
 
 
-def _dtype(device: torch.device) -> str:
+def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -> Calibration:
+    """``nsamples`` windows of uniformly random tokens: a random model's calibration set (seeded)."""
+    windows = torch.randint(0, vocab_size, (nsamples, seqlen), generator=torch.Generator().manual_seed(seed))
+    return Calibration(windows, [0] * nsamples, "random tokens", "random", windows.numel(), seed)
+
+
+def random_dtype(device: torch.device) -> str:
+    """The dtype a random checkpoint is saved in for ``device`` (the one ``sl.load`` would pick)."""
     return "bfloat16" if device.type == "cuda" else "float32"
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({os.cpu_count()} threads)"
@@ -155,7 +160,7 @@ def main(argv=None) -> None:
         print(json.dumps(one(args)), flush=True)
         return
     if args.random:  # written once, before the children measure their own peaks
-        random_checkpoint(args.model, args.layers, _dtype(sl.models.pick_device(args.device)))
+        random_checkpoint(args.model, args.layers, random_dtype(sl.models.pick_device(args.device)))
     command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()

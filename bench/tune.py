@@ -18,6 +18,7 @@ from contextlib import ExitStack
 import numpy as np
 import pandas as pd
 import torch
+from offload import device_name, random_calibration, random_checkpoint, random_dtype
 
 import spap_lib as sl
 from spap_lib.capture import capture_inputs
@@ -44,8 +45,16 @@ def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, to
     with ExitStack() as stack:
         seen = [stack.enter_context(capture_inputs(m)) for m in mods]
         for w in windows:
-            loaded.model(input_ids=w[None], use_cache=False)
+            loaded.model(input_ids=w[None].to(loaded.device), use_cache=False)
     return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
+
+
+RANDOM_NOTE = "; random weights and random tokens: the times hold, the errors are those of random layers"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def scalar_point(point: str) -> dict:
@@ -78,13 +87,26 @@ def main(argv=None) -> None:
                     "the same count and seqlen give the same windows, so runs at two budgets compare")
     ap.add_argument("--repeat", type=int, default=1, help="time every setting on every layer this many times, "
                     "interleaved; a layer's time is the median")
+    ap.add_argument("--device", default="cpu", help="where the layers are pruned ('auto': CUDA where there is one)")
+    ap.add_argument("--random", action="store_true",
+                    help="random weights of the model's shipped config and random tokens: no model files needed; "
+                         "the times hold, the errors are those of random layers")
     ap.add_argument("--out", default="bench/results/tune.csv")
     args = ap.parse_args(argv)
 
-    loaded = sl.load(args.model, device="cpu")
     layers = [int(x) for x in args.layers.split(",")]
-    fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
-    held = sl.calibration_windows(loaded.tokenizer, args.held or max(4, args.nsamples // 4), args.seqlen, seed=1)
+    n_held = args.held or max(4, args.nsamples // 4)
+    device = sl.models.pick_device(args.device)
+    if args.random:  # the model's shapes, built here: no model files needed, e.g. on a GPU machine without them
+        source = random_checkpoint(args.model, max(layers) + 1, random_dtype(device))
+        loaded = sl.load(str(source), device=args.device)
+        vocab = loaded.model.config.vocab_size
+        fit = random_calibration(vocab, args.nsamples, args.seqlen, seed=0)
+        held = random_calibration(vocab, n_held, args.seqlen, seed=1)
+    else:
+        loaded = sl.load(args.model, device=args.device)
+        fit = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, seed=0)
+        held = sl.calibration_windows(loaded.tokenizer, n_held, args.seqlen, seed=1)
     X_fit, X_held = mlp_inputs(loaded, fit.windows, layers), mlp_inputs(loaded, held.windows, layers)
     plan = sl.plan_sparsity(loaded.adapter, args.sparsity)
     base = {k: type(v)(v) for k, v in sl.get_method("spap").hparams().items()}
@@ -127,8 +149,10 @@ def main(argv=None) -> None:
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             for j, (hp, stage, varied, method) in enumerate(methods):
+                synchronize(device)  # CUDA runs ahead of the host: time the work, not its launch
                 t0 = time.perf_counter()
                 res = method.prune(LayerProblem.of(method, dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
+                synchronize(device)
                 times.setdefault((j, i), []).append(time.perf_counter() - t0)
                 print(stage, varied, hp[varied], i, f"run {r + 1}", f"{times[j, i][-1]:.1f}s", flush=True)
                 if r:
@@ -152,6 +176,7 @@ def main(argv=None) -> None:
     runs = f" (the median of {args.repeat} runs, the settings interleaved layer by layer)" if args.repeat > 1 else ""
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# SPAP hyperparameter sweep\n\nCommand: `{command}`  \ngit: {git_revision()}  \n"
+        f"Device: {device_name(device)}{RANDOM_NOTE if args.random else ''}.  \n"
         f"Base point: `{base}`; layers {layers}; fit {fit.describe()}; held-out {held.describe()}.\n"
         f"Mean over layers of the held-out relative error (lower is better) and seconds per layer{runs}:\n\n"
         f"{summary.to_markdown()}\n"))
