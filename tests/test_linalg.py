@@ -180,6 +180,36 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     assert passes == [(3000, False)] * 4 and exact["final"] == min(exact["rounds"])
 
 
+def test_the_final_refit_in_bf16_takes_bf16_products_and_reports_its_real_error(monkeypatch):
+    """``refit_precision="bf16"``: the best round's refit on every token takes the rounds' bf16 products (one
+    pass, ``low``), its output projection is the least-squares fit on those statistics, close to the full
+    refit's, and the error reported is the returned MLP's on every token. The option acts only where there is
+    such a refit."""
+    import spap_lib as sl
+    import spap_lib.methods.spap as spap_mod
+
+    pruned, X, Y = _update_problem()
+    H, YZ = gram(pruned, X, 700, Y)
+    passes, real_gram = [], spap_mod.gram
+    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
+                        real_gram(m, X_, *a, **k))
+    run = dict(iters=4, adam_steps=20, lr=1e-2, batch_tokens=512, damp=1e-6, chunk=700, seed=0, sketch_tokens=1000,
+               low=True)
+    full, full_errors = alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), **run)
+    passes.clear()
+    out, errors = alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), **run, refit_low=True)
+    assert passes == [(1000, True)] * 4 + [(3000, True)]
+    assert torch.equal(out.W_in[0], full.W_in[0])  # the same rounds, only the last refit differs
+    assert not torch.equal(out.W_out, full.W_out)
+    assert float((out.W_out - full.W_out).norm() / full.W_out.norm()) < 1e-2
+    err = float(((out(X) - Y).double() ** 2).sum() / (Y.double() ** 2).sum())
+    assert err == pytest.approx(errors["final"], rel=1e-2)
+    assert errors["final"] == pytest.approx(full_errors["final"], rel=1e-2)
+    assert "refit_precision" in sl.get_method("spap").effective_hparams()
+    for inert in ({"sketch_tokens": 0, "update_precision": "full"}, {"update": "gd"}, {"am_iters": 0}):
+        assert "refit_precision" not in sl.get_method("spap", **inert).effective_hparams()
+
+
 def test_cheap_rounds_never_return_a_worse_layer():
     """An update that diverges (a huge Adam rate) on a sample still returns the start, whose error it reports."""
     pruned, X, Y = _update_problem()

@@ -291,6 +291,7 @@ def alternating_update(
     low: bool = False,
     resample: bool = False,
     rank_tokens: int = 0,
+    refit_low: bool = False,
 ) -> tuple[MLP, dict]:
     """§3.3: alternate Adam on the input projections and the closed-form output projection.
 
@@ -301,7 +302,9 @@ def alternating_update(
     round's output projection is then refitted once on every token at the method's precision (``best_round``). With
     ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
     so the output projection does not overfit one sample), and the rounds are ranked by the error of a
-    forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). Returns the MLP and
+    forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). With ``refit_low`` that
+    final refit's products are bf16 too (``linalg.gram``'s ``low``: ``Z Zᵀ`` stays a float32 product of the rounded
+    ``Z``, summed at the method's precision). Returns the MLP and
     the relative calibration errors of the start, of every round (on the rounds' data) and of the result.
     """
     n, device = mlp.width, mlp.W_out.device
@@ -337,7 +340,7 @@ def alternating_update(
 
     with trainable(W_in):
         return best_round(mlp, iters, one_round, start_error=start_error, exact=not sampled and not low,
-                          full_error=lambda m: closed_form(m, X, Y, YY, False))
+                          full_error=lambda m: closed_form(m, X, Y, YY, refit_low))
 
 
 def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
@@ -350,7 +353,7 @@ def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
 # the update's rounds read
 PENALTY_HPARAMS = ("t", "alpha", "rho0", "tau", "K", "threshold", "score_scale", "patience")
 ROUND_HPARAMS = ("adam_steps", "lr", "lr_scale", "batch_tokens", "sketch_tokens", "update_precision", "sketch_resample",
-                 "rank_tokens")
+                 "rank_tokens", "refit_precision")
 
 
 @register
@@ -408,6 +411,9 @@ class SPAP(Method):
     # tokens of that first sample, which ranks the resampled rounds (0: ``sketch_tokens``): a ranking needs fewer
     # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes (speed_*_cheap.md)
     rank_tokens: int = hp(0, ge=0)
+    # the products of that final refit on every token: "full" (``precision``'s) or "bf16" (``Z`` and ``Y Zᵀ`` from
+    # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds), at about half the time
+    refit_precision: str = hp("full", choices=("full", "bf16"))
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
     # "error" = the widths that minimise the layers' summed relative error (``error_curve``, ``allocation.by_error``)
@@ -421,7 +427,7 @@ class SPAP(Method):
     error_weight: str = hp("token", choices=("token", "energy"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
-                  "rank_tokens")
+                  "rank_tokens", "refit_precision")
 
     @property
     def uses_targets(self) -> bool:
@@ -455,6 +461,8 @@ class SPAP(Method):
             inert |= {"sketch_resample", "rank_tokens"}
         elif not self.sketch_resample:
             inert.add("rank_tokens")  # the fixed sample ranks the rounds it fits
+        if self.update == "gd" or (self.sketch_tokens == 0 and self.update_precision == "full"):
+            inert.add("refit_precision")  # no closed-form refit after the rounds (gd), or exact rounds need none
         if self.allocation != "error":
             inert |= {"error_tokens", "error_weight"}
         return {k: v for k, v in self.hparams().items() if k not in inert}
@@ -501,8 +509,11 @@ class SPAP(Method):
         z_yz = 2 * s.in_proj * s.d * s.n_keep + 2 * s.d * s.n_keep  # per token
         Nq = min(self.rank_tokens or Nr, s.N) if self.sketch_resample and Nr < s.N else 0  # the ranking sample
         rounds = {low: self.am_iters * (Nr * z_yz + Nq * mlp)}
-        rounds["fp32"] = (rounds.get("fp32", 0) + self.am_iters * gram_flops(Nr, s.n_keep)
-                          + (s.N * z_yz + gram_flops(s.N, s.n_keep) if refit else 0))
+        rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * gram_flops(Nr, s.n_keep)
+        if refit:  # ``Z`` and ``Y Zᵀ`` at ``refit_precision``, ``Z Zᵀ`` in float32 either way
+            final = "bf16" if self.refit_precision == "bf16" else "fp32"
+            rounds[final] = rounds.get(final, 0) + s.N * z_yz
+            rounds["fp32"] += gram_flops(s.N, s.n_keep)
         stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
         stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d),
                                                  "steps": self.am_iters + refit}
@@ -565,7 +576,8 @@ class SPAP(Method):
                 mlp, errors = alternating_update(mlp, problem.X, problem.Y, start_error=start_error, YY=problem.YY,
                                                  dtype=problem.dtype, iters=self.am_iters, adam_steps=self.adam_steps,
                                                  damp=self.damp, resample=self.sketch_resample,
-                                                 rank_tokens=self.rank_tokens, **adam)
+                                                 rank_tokens=self.rank_tokens,
+                                                 refit_low=self.refit_precision == "bf16", **adam)
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
 
