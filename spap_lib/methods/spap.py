@@ -51,6 +51,11 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
   wins unless that refit beats it. With ``sketch_resample`` (default) each round's closed form draws a
   fresh sample, so the rounds together see most of the tokens; they are ranked by a forward pass on the first
   sample, or on ``rank_tokens`` of its tokens. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
+* An option, ``refit_precision`` (default ``"full"``): ``"bf16"`` takes that final refit's products from bf16
+  inputs too (``Z Zᵀ`` a float32 product of the rounded ``Z``), at the rounds' bf16 rate. Not a default: on
+  SmolLM2-135M it raised the held-out error of every layer measured, and in layer 28, whose output energy sits in
+  a few tokens, the rounded refit no longer beat the start, which was kept (+10%;
+  bench/results/refit_precision_smollm2.md).
 * An option, ``patience`` (default 0, Alg. 1): the penalty loop ends once ``s_new`` has marked the same channels
   at that many consecutive s-steps. With 3, on every layer measured the marked set had settled by then and the
   skipped iterations left it as it was, so the kept channels and the refit were the same.
@@ -412,7 +417,8 @@ class SPAP(Method):
     # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes (speed_*_cheap.md)
     rank_tokens: int = hp(0, ge=0)
     # the products of that final refit on every token: "full" (``precision``'s) or "bf16" (``Z`` and ``Y Zᵀ`` from
-    # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds), at about half the time
+    # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds); not a default: it priced
+    # a layer whose output energy sits in a few tokens wrongly (docs/method.md: cost of the update)
     refit_precision: str = hp("full", choices=("full", "bf16"))
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
