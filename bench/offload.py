@@ -40,18 +40,19 @@ from spap_lib.plan import available_host_gb, local_device, plan
 GB = 2**30
 
 
-def random_checkpoint(alias: str, layers: int, dtype: str) -> Path:
-    """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0), saved
-    once as safetensors under bench/.cache (with a placeholder tokenizer: calibration uses random
-    tokens), so every offload mode loads the same weights from the same files."""
+def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
+    """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0) in the dtype
+    ``sl.load`` gives it on ``device``, saved once as safetensors under bench/.cache (with a placeholder
+    tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files."""
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     from spap_lib.io import REPO, atomic_dir
-    from spap_lib.models import read_config, resolve
+    from spap_lib.models import pick_dtype, read_config, resolve
     from spap_lib.plan import shipped_config
 
-    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{dtype}"
+    dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
+    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{str(dtype).removeprefix('torch.')}"
     if (path / "config.json").is_file():
         return path
     config = shipped_config(alias) or read_config(resolve(alias))
@@ -59,7 +60,7 @@ def random_checkpoint(alias: str, layers: int, dtype: str) -> Path:
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
@@ -74,7 +75,7 @@ def one(args) -> dict:
     hparams = json.loads(args.hparams)
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
-    source = str(random_checkpoint(args.model, args.layers, random_dtype(device))) if args.random else args.model
+    source = str(random_checkpoint(args.model, args.layers, device)) if args.random else args.model
     evaluated = dict(eval_seqlen=2, eval_windows=1) if args.random else \
         dict(eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows)  # random weights: no perplexity
     p = plan(source, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
@@ -127,11 +128,6 @@ def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -
     return Calibration(windows, [0] * nsamples, "random tokens", "random", windows.numel(), seed)
 
 
-def random_dtype(device: torch.device) -> str:
-    """The dtype a random checkpoint is saved in for ``device`` (the one ``sl.load`` would pick)."""
-    return "bfloat16" if device.type == "cuda" else "float32"
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -160,7 +156,7 @@ def main(argv=None) -> None:
         print(json.dumps(one(args)), flush=True)
         return
     if args.random:  # written once, before the children measure their own peaks
-        random_checkpoint(args.model, args.layers, random_dtype(sl.models.pick_device(args.device)))
+        random_checkpoint(args.model, args.layers, sl.models.pick_device(args.device))
     command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import numpy as np
 import pandas as pd
 import torch
-from offload import device_name, random_calibration, random_checkpoint, random_dtype
+from offload import device_name, random_calibration, random_checkpoint
 
 import spap_lib as sl
 from spap_lib.capture import capture_inputs
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     n_held = args.held or max(4, args.nsamples // 4)
     device = sl.models.pick_device(args.device)
     if args.random:  # the model's shapes, built here: no model files needed, e.g. on a GPU machine without them
-        source = random_checkpoint(args.model, max(layers) + 1, random_dtype(device))
+        source = random_checkpoint(args.model, max(layers) + 1, device)
         loaded = sl.load(str(source), device=args.device)
         vocab = loaded.model.config.vocab_size
         fit = random_calibration(vocab, args.nsamples, args.seqlen, seed=0)
