@@ -264,8 +264,14 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan():
                                                     seqlen=256, eval_seqlen=128, eval_windows=4,
                                                     device="cpu").summary()
     stages = {name: plan("smollm2-135m", method=label, nsamples=8, seqlen=256).seconds for name, label in
-              (("fasp", "fasp"), ("fasp+gd", "fasp/update=gd"), ("penalty, no update", "spap/update=none"))}
+              (("fasp", "fasp"), ("fasp+gd", "fasp/update=gd"), ("penalty, no update", "spap/update=none"),
+               ("angular", "spap/allocation=angular"), ("error", "spap/allocation=error"),
+               ("global", "fasp/allocation=global"))}
     assert "Adam steps" not in stages["fasp"] and "Adam steps" in stages["fasp+gd"]
+    # the widths read the dense pass: the angular distances alone, or every channel's statistics (and the curves)
+    assert "dense channel statistics" not in stages["angular"] and "dense channel statistics" not in stages["fasp"]
+    assert "dense channel statistics" in stages["global"] and "error curves" not in stages["global"]
+    assert {"dense channel statistics", "error curves"} <= set(stages["error"])
     assert "penalty / refit solves" in stages["penalty, no update"] and "Adam steps" not in stages["penalty, no update"]
     with pytest.raises(ParameterError, match="sets update otherwise"):
         sl.check_run("smollm2-135m", method="fasp/update=gd", hparams={"update": "ls"}, sparsity=0.2)

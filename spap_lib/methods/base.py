@@ -235,9 +235,11 @@ class Method:
         """Why a part that this method does not take as a hyperparameter cannot be set (``get_method``)."""
         return "its parts are fixed"
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats) -> list[tuple[int, float]]:
-        """``(channels removed, relative error)`` of one dense layer (its inputs ``X``, its ``ChannelStats``),
-        for ``allocation="error"``."""
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats,
+                    residual: torch.Tensor | None = None) -> list[tuple[int, float]]:
+        """``(channels removed, relative error)`` of one dense layer (its inputs ``X``, its ``ChannelStats``, and
+        ``residual``: the energies of the hidden states its outputs are added to, per token of ``X``), for
+        ``allocation="error"``."""
         raise NotImplementedError
 
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:
@@ -282,13 +284,16 @@ class Method:
         sequential steps (a chunk of a pass, a solve, an Adam step: on a GPU each costs its kernel launches and a
         synchronisation whatever its size). The calibration forward passes and the evaluation are the plan's
         own. Here: a fitting method's dense Gram pass (with the targets ``Y`` where it uses them) and one
-        least-squares refit, or a score method's channel statistics."""
+        least-squares refit, or a score method's channel statistics; and, for an allocation that reads the dense
+        channels (``allocation.READS_CHANNELS``), the dense pass's channel statistics of a fitting method."""
         chunks = chunks_of(s.N, s.chunk)
+        stats = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks}  # every channel's Z over the tokens
         if not self.fits:
-            return {"channel statistics": {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks}}
+            return {"channel statistics": stats}
         gram = 2 * s.in_proj * s.N * s.d * s.n + gram_flops(s.N, s.n)
         targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
-        return {"dense Gram pass": {"fp32": gram + targets, "steps": chunks},
+        allocating = {"dense channel statistics": stats} if alloc.READS_CHANNELS[self.allocation] else {}
+        return {**allocating, "dense Gram pass": {"fp32": gram + targets, "steps": chunks},
                 "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}
 
     def working_set(self, s: Shapes) -> dict[str, float]:
