@@ -16,7 +16,15 @@ from . import allocation as alloc
 from .adapters import Adapter
 from .capture import first_layer_inputs, replay
 from .checks import ParameterError, Spec, check_sparsity
-from .linalg import NumericalError, check_finite, chunk_for, matmul_precision, nonfinite_parameters, resolve_precision
+from .linalg import (
+    NumericalError,
+    check_finite,
+    chunk_for,
+    matmul_precision,
+    nonfinite_parameters,
+    resolve_precision,
+    token_energies,
+)
 from .methods import LayerProblem, Method
 from .methods.scores import ScoreMethod
 from .onload import Onloader
@@ -118,8 +126,8 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
                 mlp = adapter.get_mlp(layer)
                 c = chunk_for(mlp.width, chunk)
                 s = ChannelStats.of(mlp, X, c)
-                if curve is not None:
-                    s.curve = curve(mlp, X, c, s)
+                if curve is not None:  # with the energy of every token's block output, which its MLP output joins
+                    s.curve = curve(mlp, X, c, s, token_energies(out.reshape(-1, out.shape[-1]), c, onloader.device))
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out

@@ -143,6 +143,41 @@ def test_error_curves_weigh_every_token_by_its_own_output_energy():
     assert torch.all(curve("energy", massive)[:-1] < 1e-3)  # flat until the last channel: the allocation's trap
 
 
+def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joins(windows):
+    """``error_weight="residual"``: each token's error relative to the hidden state its MLP output is added to,
+    averaged, and not divided by the layer's own output energy. Given each token's own output energy as that
+    reference it is the ``"token"`` curve; a residual stream 100x as strong divides the curve by 100. Two copies
+    of one layer then differ only there, and the allocation takes more channels from the one whose errors
+    land in the stronger stream; a whole prune meets the budget."""
+    from conftest import tiny_model
+
+    from spap_lib.models import Loaded, ModelSource
+
+    mlp = sl.get_adapter(model := tiny_model("llama")).get_mlp(model.model.layers[1])
+    X = torch.randn(512, mlp.W_out.shape[0], generator=torch.Generator().manual_seed(0))
+    stats = ChannelStats.of(mlp, X, 100)
+    with torch.no_grad():
+        own = mlp(X).double().square().sum(1)
+
+    def curve(weight, residual=None):
+        return torch.tensor([e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, stats, residual)])
+
+    token = curve("token")
+    assert torch.allclose(curve("residual", own), token, rtol=1e-4, atol=1e-7)
+    assert torch.allclose(curve("residual", 100 * own), token / 100, rtol=1e-4, atol=1e-9)
+    with pytest.raises(ValueError, match="residual"):
+        curve("residual")
+    weak, strong = (SPAP(error_weight="residual").error_curve(mlp, X, 100, stats, c * own) for c in (1.0, 100.0))
+    removed = allocation.by_error([weak, strong], 2 * 32)
+    assert sum(removed) == 64 and removed[1] > 32 > removed[0]
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error", "error_weight": "residual"},
+                      progress=False)
+    removed = [layer["removed"] for layer in report["layers"]]
+    assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
+
+
 def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):
     loaded.tokenizer = tiny_tokenizer
     plan = sl.plan_sparsity(loaded.adapter, 0.3)

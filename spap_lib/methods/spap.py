@@ -429,8 +429,10 @@ class SPAP(Method):
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
     # outputs decide: in SmolLM2's layers 2, 11 and 28 it stayed at 5%, 0.04% and 1.6% with 1,228 of 1,536
-    # channels removed, and the allocation left them 103, 1 and 103 channels (docs/method.md: the error allocation)
-    error_weight: str = hp("token", choices=("token", "energy"))
+    # channels removed, and the allocation left them 103, 1 and 103 channels (docs/method.md: the error allocation);
+    # "residual" = each token's error relative to the hidden state it is added to (the block's output), averaged
+    # and not divided by the layer's own output energy: how far the layer's error moves the residual stream
+    error_weight: str = hp("token", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
                   "rank_tokens", "refit_precision")
@@ -492,7 +494,8 @@ class SPAP(Method):
                                          "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
             Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
-            weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0  # each token's output energy
+            # each token's output energy; "residual" reads the block outputs' energies, N·d
+            weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0
             stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + gram_flops(Ne, s.n) + weigh,
                                       "solve": sum(solve_flops(s.n - r + 1, s.d) for r in points),
                                       "steps": chunks_of(Ne, s.chunk) + len(points)}
@@ -597,30 +600,40 @@ class SPAP(Method):
         H = problem.H[cols[:, None], cols]
         return reconstruction_error(mlp.out_augmented(), H, YZ, problem.YY) / problem.YY
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats) -> list[tuple[int, float]]:
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats,
+                    residual: torch.Tensor | None = None) -> list[tuple[int, float]]:
         """``(r, e)``: the dense layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
         ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``: every token's error relative
-        to its own output energy, or the layer's summed). Channels are ranked once by the selection's
+        to its own output energy, or the layer's summed, or (``"residual"``) the mean of every token's error relative
+        to ``residual``, the energies ``[N]`` of the hidden states the layer's outputs are added to, aligned with
+        ``X``'s rows). Channels are ranked once by the selection's
         score on the layer's dense statistics ``stats`` (``allocation_scores``; the penalty method: its first
         s-step), and the kept columns are refitted by least squares (one solve per point; update ``none``: the
         dense weights). The "error" allocation spends the budget where these curves are flattest."""
         precision = resolve_precision(self.precision, mlp.W_out.device)
+        weight = self.error_weight
+        if weight == "residual" and residual is None:
+            raise ValueError("error_weight='residual' needs the energies of the hidden states the outputs are added to")
+        Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else X, self.error_tokens, seed=0)
         with matmul_precision(precision):
-            H = gram(mlp, subsample(X, X, self.error_tokens, seed=0)[0], chunk, dtype=PRECISIONS[precision],
-                     per_token=self.error_weight == "token")
+            H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight != "energy",
+                     reference=reference if weight == "residual" else None)
         check_finite(H, "the error curve's Gram matrix entries")
         n, bias = mlp.width, mlp.b_out is not None
         order = torch.argsort(self.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
         W0 = mlp.out_augmented().to(H.dtype)
         YZ = W0 @ H  # Y Z̃ᵀ with Y = W0 Z̃
         YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
+        # "residual": the errors relative to the residual stream, averaged over the tokens, in the same units in
+        # every layer; the others: relative to the layer's own (weighted) output energy
+        norm = Xe.shape[0] if weight == "residual" else YY
         scale = mean_diag(H[:n, :n])
         curve = []
         for r in curve_points(n):
             cols = with_bias(torch.sort(order[:n - r]).values, n, bias)
             W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, self.damp * scale, toward=W0,
                                                                           pull=self.anchor * scale)
-            curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / YY, 0.0)))
+            curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / norm, 0.0)))
         return curve
 
 
