@@ -432,7 +432,7 @@ class SPAP(Method):
     # channels removed, and the allocation left them 103, 1 and 103 channels (docs/method.md: the error allocation);
     # "residual" (the default) = each token's error relative to the hidden state it is added to (the block's
     # output), averaged and not divided by the layer's own output energy: how far the layer's error moves the
-    # residual stream; on SmolLM2 7-27 perplexity better than "token" at 10-50% (docs/results.md: three parts)
+    # residual stream; on SmolLM2 8-27 perplexity better than "token" at 10-50% (docs/results.md: three parts)
     error_weight: str = hp("residual", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
