@@ -156,19 +156,19 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
     the rounded ``Z``, so it is still positive semidefinite (a bf16-rounded Gram matrix is not, and its damped
     Cholesky can fail). With ``per_token``, each token's ``z̃`` is divided by the norm of its own output
     ``‖mlp(x)‖``: then ``⟨W H, W⟩`` and ``W H`` are the output errors and targets of every token relative to its
-    own output energy, so a few tokens with massive outputs do not outweigh the rest. With ``reference`` too
-    (``[N]`` energies, aligned with ``X``'s rows), each ``z̃`` is divided by ``√reference`` instead: the errors of
-    every token relative to, e.g., the hidden state its output is added to."""
+    own output energy, so a few tokens with massive outputs do not outweigh the rest. With ``reference`` (``[N]``
+    energies, aligned with ``X``'s rows), each ``z̃`` is divided by ``√reference`` instead: the errors of every
+    token relative to, e.g., the hidden state its output is added to."""
     bias = mlp.b_out is not None
     n, device = mlp.width + bias, mlp.W_out.device
     H = torch.zeros(n, n, dtype=dtype, device=device)
     YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=device)
-    W = mlp.out_augmented().float() if per_token and reference is None else None
+    W = mlp.out_augmented().float() if per_token and reference is None else None  # the outputs weigh the tokens
     for start in range(0, X.shape[0], chunk):
         with products(low, device):
             Z = mlp.hidden(rows(X, start, start + chunk, device).float())
         Z = augment(Z.float(), bias)
-        if per_token:  # a token whose reference is (near) zero is floored, not divided by zero
+        if W is not None or reference is not None:  # a (near) zero reference is floored, never divided by
             e = energies(Z @ W.T) if reference is None else rows(reference, start, start + chunk, device).double()
             Z = Z * e.clamp_min(1e-12 * float(e.mean()) + torch.finfo(torch.float64).tiny).rsqrt().float()[:, None]
         with exact_bf16_products(low, device):  # with ``low``, Z holds bf16 values

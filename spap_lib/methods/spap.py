@@ -617,7 +617,7 @@ class SPAP(Method):
             raise ValueError("error_weight='residual' needs the energies of the hidden states the outputs are added to")
         Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else X, self.error_tokens, seed=0)
         with matmul_precision(precision):
-            H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight != "energy",
+            H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight == "token",
                      reference=reference if weight == "residual" else None)
         check_finite(H, "the error curve's Gram matrix entries")
         n, bias = mlp.width, mlp.b_out is not None
