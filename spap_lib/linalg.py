@@ -354,6 +354,37 @@ def lstsq_columns(WH: torch.Tensor, H: torch.Tensor, cols: torch.Tensor, delta: 
     return _damped_solve(B, lambda: H[cols[:, None], cols], torch.full((len(cols),), delta + pull, device=H.device))
 
 
+def nested_lstsq_errors(WH: torch.Tensor, H: torch.Tensor, order: torch.Tensor, sizes: list[int], delta: float,
+                        YY: float, toward: torch.Tensor | None = None, pull: float = 0.0) -> list[float]:
+    """``‖Y − W_k Z_k‖²`` for ``lstsq_columns``'s refit on each leading set ``order[:k]`` of the input rows, ``k`` in
+    ``sizes`` (``YY = ‖Y‖²``), from one float64 factorisation instead of one solve per set. Permuted into ``order``,
+    the damped system ``A = H + (δ + pull)I`` has the factor of every leading block as the leading block of its
+    factor ``L``, and the forward solve ``V = L⁻¹ Bᵀ`` (``B = Y Zᵀ + pull·W₀``) the same property: ``⟨W_k, B_k⟩ =
+    ‖V_k‖²``. With ``W_k A_k = B_k`` the error is ``‖Y‖² − ‖V_k‖² + 2·pull·⟨W_k, W₀_k⟩ − (δ + pull)‖W_k‖²``, where
+    ``W_k`` costs one triangular solve with the leading block. That is a difference of nearly equal terms whose
+    rounding enters at first order (a refit's own rounding would only at second), hence float64: the copy of ``H``
+    it factorises is twice ``H``'s float32 size. Raises ``NumericalError`` where ``A`` is not positive definite."""
+    B = WH[:, order] + pull * toward[:, order] if pull else WH[:, order]
+    A = torch.empty(len(order), len(order), dtype=torch.float64, device=H.device)
+    block = -(-len(order) // GRAM_BLOCKS)
+    for i in range(0, len(order), block):  # gathered a block of rows at a time: no float32 copy of the whole matrix
+        A[i:i + block] = H[order[i:i + block, None], order]
+    A.diagonal().add_(delta + pull)
+    pivot = _factor(A)
+    if pivot:
+        raise _singular("the error curve's Gram matrix", pivot)
+    L = A.mT
+    V = torch.linalg.solve_triangular(L, B.T.double(), upper=False)
+    W0 = toward[:, order].double().T if pull else None
+    errors = []
+    for k in sizes:
+        Vk = V[:k]
+        Wk = torch.linalg.solve_triangular(L[:k, :k].mT, Vk, upper=True)  # W_kᵀ
+        error = YY - float(Vk.square().sum()) - (delta + pull) * float(Wk.square().sum())
+        errors.append(error + (2 * pull * float((Wk * W0[:k]).sum()) if pull else 0.0))
+    return errors
+
+
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """``"name: k NaN, m Inf"`` for every parameter of ``model`` that is not finite."""
     bad = []

@@ -4,7 +4,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.adapters import MLP
-from spap_lib.linalg import NumericalError, gram, lstsq_columns, ridge
+from spap_lib.linalg import NumericalError, gram, lstsq_columns, nested_lstsq_errors, ridge
 from spap_lib.methods.spap import alternating_update, penalty_method
 
 
@@ -43,6 +43,33 @@ def test_anchored_refit_is_least_squares_with_rows_pulling_toward_the_dense_weig
     A = torch.cat([Z[cols].T, pull ** 0.5 * torch.eye(len(cols), dtype=Z.dtype)])
     B = torch.cat([Y.T, pull ** 0.5 * W0[:, cols].T])
     torch.testing.assert_close(W, torch.linalg.lstsq(A, B).solution.T, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("pull", [0.0, 7.0])
+def test_nested_refit_errors_are_the_errors_of_one_refit_per_set(pull, dtype):
+    Z, Y = _data(n=40, d=6, N=300)
+    Z[7] = Z[3] * 2.0  # a column the others span: the damping keeps every system definite
+    H, YZ, YY = (Z @ Z.T).to(dtype), (Y @ Z.T).to(dtype), float((Y ** 2).sum())
+    W0 = torch.randn(Y.shape[0], Z.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    order, sizes, delta = torch.randperm(40, generator=torch.Generator().manual_seed(2)), [40, 31, 12, 5, 1], 1e-3
+    nested = nested_lstsq_errors(YZ, H, order, sizes, delta, YY, toward=W0.to(dtype), pull=pull)
+    # one refit per kept set, its error measured on the tokens themselves (float64 reference)
+    for k, error in zip(sizes, nested):
+        cols = torch.sort(order[:k]).values
+        W = lstsq_columns(Y @ Z.T, Z @ Z.T, cols, delta, toward=W0, pull=pull)
+        direct = float(((Y - W @ Z[cols]) ** 2).sum())
+        assert error == pytest.approx(direct, rel=1e-9 if dtype == torch.float64 else 1e-5)
+    if not pull:
+        assert nested == sorted(nested)  # fewer kept columns, never a smaller least-squares error
+
+
+def test_nested_refit_errors_refuse_an_indefinite_system():
+    Z, Y = _data()
+    H = Z @ Z.T
+    H[0, 0] = -1.0
+    with pytest.raises(NumericalError, match="error curve"):
+        nested_lstsq_errors(Y @ Z.T, H, torch.arange(12), [12], 0.0, 1.0)
 
 
 @pytest.mark.parametrize("threshold", ["top", "previous"])

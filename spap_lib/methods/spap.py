@@ -80,6 +80,7 @@ from ..linalg import (
     lstsq_columns,
     matmul_precision,
     mean_diag,
+    nested_lstsq_errors,
     products,
     resolve_precision,
     ridge,
@@ -235,15 +236,16 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
         opt.step()
 
 
-def subsample(X: torch.Tensor, Y: torch.Tensor, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def subsample(X: torch.Tensor, Y: torch.Tensor | None, tokens: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
-    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds."""
+    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds (``Y`` may be None)."""
     N = X.shape[0]
     if tokens == 0 or tokens >= N:
         return X, Y
     gen = torch.Generator(device="cpu").manual_seed(seed)
     idx = torch.sort(torch.randperm(N, generator=gen)[:tokens]).values.to(X.device)
-    return X.index_select(0, idx), Y.index_select(0, idx)
+    return X.index_select(0, idx), None if Y is None else Y.index_select(0, idx)
 
 
 def rounds_sample(X: torch.Tensor, Y: torch.Tensor, YY: float, tokens: int, seed: int, chunk: int,
@@ -493,13 +495,17 @@ class SPAP(Method):
         if self.concentrated < 1 and self.update != "none" and not self.uses_targets:  # ``concentration``'s forward
             stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
                                          "steps": chunks_of(s.N, s.chunk)}
-        if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, one solve per point
+        if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, then its points' errors
             Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
             # each token's output energy; "residual" reads the block outputs' energies, N·d
             weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0
+            kept = [s.n - r + 1 for r in points]
+            # a float64 quadratic form per point (update none), or one float64 factorisation and forward solve of
+            # the whole layer and a back-solve per point (``nested_lstsq_errors``); priced at the solves' rate
+            solves = sum(2 * k * k * s.d for k in kept) if self.update == "none" else \
+                (s.n + 1) ** 3 / 3 + (s.n + 1) ** 2 * s.d + sum(k * k * s.d for k in kept)
             stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + gram_flops(Ne, s.n) + weigh,
-                                      "solve": sum(solve_flops(s.n - r + 1, s.d) for r in points),
-                                      "steps": chunks_of(Ne, s.chunk) + len(points)}
+                                      "solve": solves, "steps": chunks_of(Ne, s.chunk) + len(points) + 1}
         if self.update not in ROUNDS or not self.am_iters:
             return stages
         low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
@@ -609,16 +615,17 @@ class SPAP(Method):
         to ``residual``, the energies ``[N]`` of the hidden states the layer's outputs are added to, aligned with
         ``X``'s rows). Channels are ranked once by the selection's
         score on the layer's dense statistics ``stats`` (``allocation_scores``; the penalty method: its first
-        s-step), and the kept columns are refitted by least squares (one solve per point; update ``none``: the
-        dense weights). The "error" allocation spends the budget where these curves are flattest."""
+        s-step), and the kept columns are refitted by least squares (update ``none``: the dense weights). The kept
+        sets are nested, so every point's refit comes from one factorisation (``nested_lstsq_errors``). The "error"
+        allocation spends the budget where these curves are flattest."""
         precision = resolve_precision(self.precision, mlp.W_out.device)
         weight = self.error_weight
         if weight == "residual" and residual is None:
             raise ValueError("error_weight='residual' needs the energies of the hidden states the outputs are added to")
-        Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else X, self.error_tokens, seed=0)
+        Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else None, self.error_tokens, seed=0)
         with matmul_precision(precision):
             H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight == "token",
-                     reference=reference if weight == "residual" else None)
+                     reference=reference)
         check_finite(H, "the error curve's Gram matrix entries")
         n, bias = mlp.width, mlp.b_out is not None
         order = torch.argsort(self.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
@@ -629,13 +636,15 @@ class SPAP(Method):
         # every layer; the others: relative to the layer's own (weighted) output energy
         norm = Xe.shape[0] if weight == "residual" else YY
         scale = mean_diag(H[:n, :n])
-        curve = []
-        for r in curve_points(n):
-            cols = with_bias(torch.sort(order[:n - r]).values, n, bias)
-            W = W0[:, cols] if self.update == "none" else lstsq_columns(YZ, H, cols, self.damp * scale, toward=W0,
-                                                                          pull=self.anchor * scale)
-            curve.append((r, max(reconstruction_error(W, H[cols][:, cols], YZ[:, cols], YY) / norm, 0.0)))
-        return curve
+        points = curve_points(n)
+        if self.update == "none":  # the dense weights of the kept columns
+            errors = [reconstruction_error(W0[:, cols], H[cols][:, cols], YZ[:, cols], YY)
+                      for cols in (with_bias(torch.sort(order[:n - r]).values, n, bias) for r in points)]
+        else:  # the least-squares refit of every point from one factorisation (the kept sets are nested)
+            nested = torch.cat([order.new_tensor([n]), order]) if bias else order  # the bias column is always kept
+            errors = nested_lstsq_errors(YZ, H, nested, [n - r + bias for r in points], self.damp * scale, YY,
+                                         toward=W0, pull=self.anchor * scale)
+        return [(r, max(e / norm, 0.0)) for r, e in zip(points, errors)]
 
 
 def curve_points(n: int, points: int = 16) -> list[int]:
