@@ -33,7 +33,7 @@ from .errors import ParameterError
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method, parse_label
 from .models import Loaded
-from .pipeline import dense_stats, needs_channel_stats, needs_dense_stats
+from .pipeline import allocation_inputs, dense_stats, needs_channel_stats, needs_dense_stats
 from .resume import LayerCheckpoint
 
 # Columns that identify a cell: a row with the same values is not recomputed.
@@ -118,13 +118,16 @@ class Grid:
         self._passes: dict[str, tuple[list, float]] = {}
         self._eval_ids = None
 
-    def dense_pass(self, key: str = "", curve=None, channels: bool = True) -> tuple[list, float]:
-        """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only)
-        computed once per ``key``, and their seconds."""
+    def dense_pass(self, key: str = "", curve=None, channels: bool = True, share: float = 1.0) -> tuple[list, float]:
+        """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only; on
+        the first ``share`` of the windows, ``allocation_inputs``) computed once per ``key`` and ``share``, and their
+        seconds."""
+        key = key if share == 1 else f"{key} ({share} of the windows)"
         if key not in self._passes:
             t0 = time.perf_counter()
-            stats = dense_stats(self.loaded.adapter, self.inputs, batch_size=self.batch_size, chunk=self.chunk,
-                                progress=self.progress, curve=curve, channels=channels)
+            stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size),
+                                batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, curve=curve,
+                                channels=channels)
             self._passes[key] = (stats, time.perf_counter() - t0)
         return self._passes[key]
 
@@ -140,14 +143,15 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
+        share = algo.allocation_sample if algo.propagates else 1.0  # a score method's statistics read every window
         if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
-            stats, seconds = self.dense_pass(variant.label, algo.error_curve)
+            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=share)
         elif not needs_dense_stats(algo, algo.propagates):
             stats, seconds = None, 0.0
         elif needs_channel_stats(algo, algo.propagates):
-            stats, seconds = self.dense_pass()
+            stats, seconds = self.dense_pass(share=share)
         else:  # the angular distances alone: what a prune of this variant pays by itself
-            stats, seconds = self.dense_pass("blocks", channels=False)
+            stats, seconds = self.dense_pass("blocks", channels=False, share=share)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)

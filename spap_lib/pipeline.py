@@ -134,6 +134,15 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     return stats
 
 
+def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
+    """The layer-0 inputs of the first ``share`` of the calibration windows, whole batches, at least one: the
+    windows are random draws, so these are a uniform sample of them. The dense pass that decides a propagating
+    method's widths runs on them (``Method.allocation_sample``); the prune itself on every window."""
+    hidden, kwargs = inputs
+    k = max(batch_size, round(share * hidden.shape[0] / batch_size) * batch_size)
+    return inputs if k >= hidden.shape[0] else (hidden[:k], kwargs)
+
+
 def needs_dense_stats(method: Method, propagate: bool) -> bool:
     """Dense statistics are used by methods that score dense channels without propagating, and by any
     non-uniform allocation (decided before the first layer is pruned)."""
@@ -196,8 +205,11 @@ def prune_model(
     t_alloc = time.perf_counter()
     scoring = method.scores_dense and not propagate  # a pass the method's scores need anyway
     if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
-        stats = dense_stats(adapter, inputs, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
+        # a score method's statistics are its scores: every window; an allocation's, its sample of them
+        sample = inputs if scoring else allocation_inputs(inputs, method.allocation_sample, batch_size)
+        stats = dense_stats(adapter, sample, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
                             curve=curve, channels=needs_channel_stats(method, propagate))
+        del sample
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \

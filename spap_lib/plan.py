@@ -333,8 +333,10 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     attention = 2 * (c["decoder"] / L - n * c["per_channel"]) * N + 4 * N * seqlen * d  # and through the rest
     # a propagating prune replays every layer twice: to its MLP's input (the attention), then through the pruned
     # MLP, reading the attention's kept outputs (``capture.replay``); a non-uniform allocation first makes one
-    # dense pass for its statistics. Without propagation, one dense pass.
-    passes = (2 if algo.propagates else 1) + (algo.allocation != "uniform" and algo.propagates)
+    # dense pass for its statistics, over its share of the windows (``allocation_sample``). Without propagation, one
+    # dense pass.
+    allocating = algo.allocation != "uniform" and algo.propagates
+    passes = (2 if algo.propagates else 1) + (algo.allocation_tokens(N) / N if allocating else 0)
     work = attention + mlp * (n_keep / n if algo.propagates else 1)
     work += (attention + mlp) * (passes - 2) if algo.propagates else 0
     batches = -(-N // (seqlen * batch_size))

@@ -490,6 +490,37 @@ def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_
         method.removals(full, plan.width, total)
 
 
+@pytest.mark.parametrize("allocation", ["angular", "error"])
+def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(windows, tiny_tokenizer, monkeypatch,
+                                                                           allocation):
+    """``allocation_sample=0.5``: the dense pass that decides the widths reads the first half of the windows, and
+    the widths are those of a pass over those windows; the prune itself reads every window."""
+    from conftest import tiny_model
+
+    from spap_lib import pipeline
+    from spap_lib.models import Loaded, ModelSource
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    half = windows.shape[0] // 2
+    hparams = {**FAST, "allocation": allocation, "allocation_sample": 0.5}
+    method = sl.get_method("spap", **hparams)
+    first = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows[:half], 1, torch.device("cpu"))
+    curve = method.error_curve if allocation == "error" else None
+    expected_stats = dense_stats(loaded.adapter, first, progress=False, curve=curve,
+                                 channels=pipeline.needs_channel_stats(method, True))
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    expected = method.removals(expected_stats, plan.width, plan.n_remove * len(expected_stats))
+    read, real = [], pipeline.dense_stats
+    monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: read.append(inputs[0].shape[0]) or
+                        real(adapter, inputs, **k))
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hparams, progress=False)
+    assert read == [half]
+    assert [layer["removed"] for layer in report["layers"]] == expected
+    assert sum(expected) == plan.n_remove * len(expected_stats)
+    assert "allocation_sample" not in sl.get_method("spap", allocation_sample=0.5).effective_hparams()  # uniform
+
+
 def test_a_new_method_file_is_registered_and_drawn_without_editing_anything(tmp_path):
     """Auto-registration: a module dropped into spap_lib/methods/ is imported by the package, its
     method is in the registry, and figures order it from what the class declares."""

@@ -200,6 +200,9 @@ class Method:
     # hyperparameter field in methods that offer more than one).
     allocations: ClassVar[tuple[str, ...]] = ("uniform",)
     allocation: ClassVar[str] = "uniform"
+    # The share of the calibration windows whose dense pass decides a propagating method's non-uniform widths
+    # (``pipeline.allocation_inputs``; a hyperparameter where a method offers it): all of them by default.
+    allocation_sample: ClassVar[float] = 1.0
     # CFSP's angular allocation, keep_l ∝ sigmoid(a·(I_l − mean I)/scale) (CFSP's hyperparameters; these
     # defaults serve other methods that offer allocation="angular").
     a: ClassVar[float] = 1.0
@@ -258,6 +261,11 @@ class Method:
             return alloc.by_error([s.curve for s in stats], total)
         return [total // len(stats)] * len(stats)
 
+    def allocation_tokens(self, N: int) -> int:
+        """Of ``N`` calibration tokens, about how many the dense pass that decides the widths reads
+        (``allocation_sample``; whole windows in the pipeline, ``allocation_inputs``)."""
+        return max(1, round(N * self.allocation_sample))
+
     def prepare(self, adapter) -> None:
         """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""
 
@@ -292,7 +300,9 @@ class Method:
             return {"channel statistics": stats}
         gram = 2 * s.in_proj * s.N * s.d * s.n + gram_flops(s.N, s.n)
         targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
-        allocating = {"dense channel statistics": stats} if alloc.READS_CHANNELS[self.allocation] else {}
+        Na = self.allocation_tokens(s.N)  # the dense pass that decides the widths
+        allocating = {"dense channel statistics": {"fp32": 2 * s.in_proj * Na * s.d * s.n, "steps": chunks_of(
+            Na, s.chunk)}} if alloc.READS_CHANNELS[self.allocation] else {}
         return {**allocating, "dense Gram pass": {"fp32": gram + targets, "steps": chunks},
                 "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}
 

@@ -428,6 +428,10 @@ class SPAP(Method):
     allocation: str = "uniform"
     allocations = ("uniform", "global", "angular", "error")
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
+    # The share of the calibration windows (the first ones: random draws) whose dense pass decides non-uniform
+    # widths; 1: all of them. The pass is a forward through every dense layer, 14-17% of a SmolLM2 prune at
+    # 32 x 512 for the angular widths alone (docs/results.md: three parts)
+    allocation_sample: float = hp(1.0, gt=0, le=1)
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
     # outputs decide: in SmolLM2's layers 2, 11 and 28 it stayed at 5%, 0.04% and 1.6% with 1,228 of 1,536
@@ -438,7 +442,7 @@ class SPAP(Method):
     error_weight: str = hp("residual", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
-                  "rank_tokens", "refit_precision")
+                  "rank_tokens", "refit_precision", "allocation_sample")
 
     @property
     def uses_targets(self) -> bool:
@@ -476,6 +480,8 @@ class SPAP(Method):
             inert.add("refit_precision")  # no closed-form refit after the rounds (gd), or exact rounds need none
         if self.allocation != "error":
             inert |= {"error_tokens", "error_weight"}
+        if self.allocation == "uniform":
+            inert.add("allocation_sample")
         return {k: v for k, v in self.hparams().items() if k not in inert}
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
@@ -496,7 +502,7 @@ class SPAP(Method):
             stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
                                          "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, then its points' errors
-            Ne, points = min(self.error_tokens, s.N), curve_points(s.n)
+            Ne, points = min(self.error_tokens, self.allocation_tokens(s.N)), curve_points(s.n)
             # each token's output energy; "residual" reads the block outputs' energies, N·d
             weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0
             kept = [s.n - r + 1 for r in points]
