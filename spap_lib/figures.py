@@ -35,7 +35,9 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     calibration size (nsamples × seqlen) with at least ``min_cells`` pruned cells.
 
     The dense model is the horizontal dashed line; ``ymax`` clips collapsed baselines (magnitude)
-    so the methods that matter stay readable. Written atomically; returns the figure.
+    so the methods that matter stay readable. Each panel draws the methods at their own parts and the best
+    compositions with SPAP's update (``_drawn``); every other label is in the parts table. Written atomically;
+    returns the figure.
     """
     import matplotlib
 
@@ -54,6 +56,10 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
                        for _, part in table.groupby("model", sort=False)])
     pruned_cells = table[table["label"] != "dense"].groupby(["model", "calib"], sort=False).size()
     panels = [key for key, count in pruned_cells.items() if count >= min_cells]
+    drawn = {key: _drawn(part[part["label"] != "dense"]) for key, part in table.groupby(["model", "calib"], sort=False)
+             if key in panels}
+    table = table[[lab == "dense" or lab in drawn.get((m, c), ()) for m, c, lab in
+                   zip(table["model"], table["calib"], table["label"])]]
     sns.set_theme(style="whitegrid", context="notebook")
     labels = _label_order(table[[(m, c) in panels for m, c in zip(table["model"], table["calib"])]]["label"])
     palette = dict(zip(labels, sns.color_palette("tab10" if len(labels) <= 10 else "tab20", len(labels))))
@@ -100,6 +106,23 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     with io.atomic_file(out) as tmp:
         fig.savefig(tmp, dpi=150, format=out.suffix.lstrip(".") or "png", bbox_inches="tight")
     return fig
+
+
+def _drawn(pruned: pd.DataFrame) -> set[str]:
+    """The lines of one Figure 2 panel: every method at its own parts (its bare name, or where the panel has none,
+    its most-measured label; ablations are Table 5's), and each label that is the best composition with SPAP's
+    alternating update in one of the panel's cells."""
+    from .methods import METHODS
+    from .methods.base import parse_label
+
+    drawn = set()
+    for method, own in pruned.groupby(pruned["label"].map(lambda lab: parse_label(lab)[0]), sort=False):
+        if method in METHODS and not METHODS[method].ablation_of:
+            drawn.add(method if method in set(own["label"]) else own["label"].value_counts().idxmax())
+    alternating = pruned[_part_of(pruned, "update") == "alternating"]
+    if len(alternating):
+        drawn |= set(alternating.loc[alternating.groupby("sparsity")["ppl"].idxmin(), "label"])
+    return drawn
 
 
 def load_rows(results_csv: str | Path) -> pd.DataFrame:
