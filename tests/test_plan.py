@@ -274,7 +274,8 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan():
     assert {"dense channel statistics", "error curves"} <= set(stages["error"])
     assert "penalty / refit solves" in stages["penalty, no update"] and "Adam steps" not in stages["penalty, no update"]
     # a quarter of the windows for the widths: a quarter of the dense pass's forward and of its statistics
-    quarter = plan("smollm2-135m", method="spap/allocation=error,allocation_sample=0.25", nsamples=8, seqlen=256).seconds
+    quarter = plan("smollm2-135m", method="spap/allocation=error,allocation_sample=0.25", nsamples=8,
+                   seqlen=256).seconds
     uniform = plan("smollm2-135m", method="spap", nsamples=8, seqlen=256).seconds
     for stage in ("calibration forward passes", "dense channel statistics"):
         extra = stages["error"][stage] - uniform.get(stage, 0.0)
