@@ -430,7 +430,8 @@ class SPAP(Method):
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # The share of the calibration windows (the first ones: random draws) whose dense pass decides non-uniform
     # widths; 1: all of them. The pass is a forward through every dense layer, 14-17% of a SmolLM2 prune at
-    # 32 x 512 for the angular widths alone (docs/results.md: three parts)
+    # 32 x 512 for the angular widths alone; a quarter of the windows cut that to 2% but gave back most of what the
+    # widths gained (docs/results.md: three parts)
     allocation_sample: float = hp(1.0, gt=0, le=1)
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
