@@ -33,7 +33,7 @@ from .errors import ParameterError
 from .evaluate import perplexity_of_ids
 from .methods import Unsupported, get_method, parse_label
 from .models import Loaded
-from .pipeline import allocation_inputs, dense_stats, needs_channel_stats, needs_dense_stats
+from .pipeline import allocation_inputs, dense_pass_settings, dense_stats, needs_channel_stats, needs_dense_stats
 from .resume import LayerCheckpoint
 
 # Columns that identify a cell: a row with the same values is not recomputed.
@@ -118,16 +118,17 @@ class Grid:
         self._passes: dict[str, tuple[list, float]] = {}
         self._eval_ids = None
 
-    def dense_pass(self, key: str = "", curve=None, channels: bool = True, share: float = 1.0) -> tuple[list, float]:
+    def dense_pass(self, key: str = "", curve=None, channels: bool = True, share: float = 1.0,
+                   low: bool = False) -> tuple[list, float]:
         """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only; on
-        the first ``share`` of the windows, ``allocation_inputs``) computed once per ``key`` and ``share``, and their
-        seconds."""
-        key = key if share == 1 else f"{key} ({share} of the windows)"
+        the first ``share`` of the windows, ``allocation_inputs``; with bf16 products when ``low``) computed once
+        per ``key``, ``share`` and ``low``, and their seconds."""
+        key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if low else "")
         if key not in self._passes:
             t0 = time.perf_counter()
             stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size),
                                 batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, curve=curve,
-                                channels=channels)
+                                channels=channels, low=low)
             self._passes[key] = (stats, time.perf_counter() - t0)
         return self._passes[key]
 
@@ -143,15 +144,15 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        share = algo.allocation_sample if algo.propagates else 1.0  # a score method's statistics read every window
+        share, low = dense_pass_settings(algo, algo.propagates)  # as the pipeline would take the pass
         if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
-            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=share)
+            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=share, low=low)
         elif not needs_dense_stats(algo, algo.propagates):
             stats, seconds = None, 0.0
         elif needs_channel_stats(algo, algo.propagates):
-            stats, seconds = self.dense_pass(share=share)
+            stats, seconds = self.dense_pass(share=share, low=low)
         else:  # the angular distances alone: what a prune of this variant pays by itself
-            stats, seconds = self.dense_pass("blocks", channels=False, share=share)
+            stats, seconds = self.dense_pass("blocks", channels=False, share=share, low=low)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)

@@ -22,6 +22,7 @@ from .linalg import (
     chunk_for,
     matmul_precision,
     nonfinite_parameters,
+    products,
     resolve_precision,
     token_energies,
 )
@@ -103,13 +104,15 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
 
 
 def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
-                chunk: int = 8192, progress: bool = True, curve=None, channels: bool = True) -> list[ChannelStats]:
+                chunk: int = 8192, progress: bool = True, curve=None, channels: bool = True,
+                low: bool = False) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
     ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
     (``Method.error_curve``) adds each layer's error curve, for the "error" allocation. Without ``channels``
     the pass is the layers' replay alone, for the angular distances (``ChannelStats.blocks_only``): no MLP
-    inputs kept, no pass over their activations.
+    inputs kept, no pass over their activations. With ``low`` the replay's products take bf16 inputs
+    (``linalg.products``); the statistics and curves are then taken from its float32 outputs as they are.
     """
     onloader = onloader or _resident(adapter)
     hidden, kwargs = inputs
@@ -117,8 +120,9 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
         with onloader.layer(i) as layer:
             watch = adapter.mlp_input_module(layer) if channels or curve is not None else None
-            out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size, watch=watch,
-                            device=onloader.device, store=onloader.activations, inputs=onloader.calibration)
+            with products(low, onloader.device):
+                out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size, watch=watch,
+                                device=onloader.device, store=onloader.activations, inputs=onloader.calibration)
             if X is None:
                 s = ChannelStats.blocks_only(hidden.shape[0] * hidden.shape[1])
             else:
@@ -132,6 +136,15 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
         stats.append(s)
         hidden = out
     return stats
+
+
+def dense_pass_settings(method: Method, propagate: bool) -> tuple[float, bool]:
+    """How the dense pass before the first prune is taken: the share of the windows it reads and whether its
+    replay's products are bf16. A score method's statistics without propagation are its scores: every window, the
+    model's precision. An allocation's pass: ``allocation_sample`` at ``allocation_precision``."""
+    if method.scores_dense and not propagate:
+        return 1.0, False
+    return method.allocation_sample, method.allocation_precision == "bf16"
 
 
 def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
@@ -205,11 +218,10 @@ def prune_model(
     t_alloc = time.perf_counter()
     scoring = method.scores_dense and not propagate  # a pass the method's scores need anyway
     if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
-        # a score method's statistics are its scores: every window; an allocation's, its sample of them
-        sample = inputs if scoring else allocation_inputs(inputs, method.allocation_sample, batch_size)
-        stats = dense_stats(adapter, sample, onloader=onloader, batch_size=batch_size, chunk=chunk, progress=progress,
-                            curve=curve, channels=needs_channel_stats(method, propagate))
-        del sample
+        share, low = dense_pass_settings(method, propagate)
+        stats = dense_stats(adapter, allocation_inputs(inputs, share, batch_size), onloader=onloader,
+                            batch_size=batch_size, chunk=chunk, progress=progress, curve=curve,
+                            channels=needs_channel_stats(method, propagate), low=low)
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \

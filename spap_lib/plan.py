@@ -333,14 +333,15 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     attention = 2 * (c["decoder"] / L - n * c["per_channel"]) * N + 4 * N * seqlen * d  # and through the rest
     # a propagating prune replays every layer twice: to its MLP's input (the attention), then through the pruned
     # MLP, reading the attention's kept outputs (``capture.replay``); a non-uniform allocation first makes one
-    # dense pass for its statistics, over its share of the windows (``allocation_sample``). Without propagation, one
-    # dense pass.
+    # dense pass, over its share of the windows (``allocation_sample``), at its products' rate
+    # (``allocation_precision``). Without propagation, one dense pass.
     allocating = algo.allocation != "uniform" and algo.propagates
     passes = (2 if algo.propagates else 1) + (algo.allocation_tokens(N) / N if allocating else 0)
     work = attention + mlp * (n_keep / n if algo.propagates else 1)
-    work += (attention + mlp) * (passes - 2) if algo.propagates else 0
+    dense_rate = rates["matmul_bf16"] if algo.allocation_precision == "bf16" else model_rate
+    dense_pass = (attention + mlp) * (passes - 2) / dense_rate if algo.propagates else 0.0
     batches = -(-N // (seqlen * batch_size))
-    seconds = {"calibration forward passes": L * (work / model_rate + passes * batches * step)}
+    seconds = {"calibration forward passes": L * (work / model_rate + dense_pass + passes * batches * step)}
     own = algo.cost(shapes)
     for name, work in own.items():
         seconds[name] = L * stage(work)

@@ -521,6 +521,48 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     assert "allocation_sample" not in sl.get_method("spap", allocation_sample=0.5).effective_hparams()  # uniform
 
 
+def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_products(windows, tiny_tokenizer,
+                                                                                     monkeypatch):
+    """``allocation_precision="bf16"``: the dense pass that decides the widths replays every layer with bf16
+    products (``torch.autocast``), its angular distances are those of such a replay (not the float32 ones), and
+    the prune's widths are the ones they give; a score method's own statistics stay at the model's precision."""
+    from conftest import tiny_model
+
+    from spap_lib import pipeline
+    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.stats import block_angular
+
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    layers = loaded.adapter.layers()
+    inputs = first_layer_inputs(loaded.model, layers, windows, 1, torch.device("cpu"))
+    expected, hidden = [], inputs[0]
+    for i, layer in enumerate(layers):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = replay(layer, hidden, {b: kw[i] for b, kw in inputs[1].items()}, 1)[0]
+        expected.append(block_angular(hidden, out))
+        hidden = out
+    low = dense_stats(loaded.adapter, inputs, progress=False, channels=False, low=True)
+    full = dense_stats(loaded.adapter, inputs, progress=False, channels=False)
+    assert [s.angular for s in low] == pytest.approx(expected, rel=1e-6)
+    assert max(abs(a.angular - b.angular) / b.angular for a, b in zip(low, full)) > 1e-4  # bf16, not float32
+    hparams = {**FAST, "allocation": "angular", "allocation_precision": "bf16"}
+    method = sl.get_method("spap", **hparams)
+    assert pipeline.dense_pass_settings(method, propagate=True) == (1.0, True)
+    assert pipeline.dense_pass_settings(sl.get_method("cfsp"), propagate=False) == (1.0, False)
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    taken, real = [], pipeline.dense_stats
+    monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: taken.append(k["low"]) or
+                        real(adapter, inputs, **k))
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hparams, progress=False)
+    assert taken == [True]
+    assert [layer["removed"] for layer in report["layers"]] == method.removals(low, plan.width,
+                                                                               plan.n_remove * len(layers))
+    assert "allocation_precision" not in sl.get_method("spap", allocation_precision="bf16").effective_hparams()
+    with pytest.raises(sl.ParameterError, match="full"):
+        sl.get_method("spap", allocation_precision="fp16")
+
+
 def test_a_new_method_file_is_registered_and_drawn_without_editing_anything(tmp_path):
     """Auto-registration: a module dropped into spap_lib/methods/ is imported by the package, its
     method is in the registry, and figures order it from what the class declares."""

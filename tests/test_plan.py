@@ -280,5 +280,9 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan():
     for stage in ("calibration forward passes", "dense channel statistics"):
         extra = stages["error"][stage] - uniform.get(stage, 0.0)
         assert quarter[stage] - uniform.get(stage, 0.0) == pytest.approx(extra / 4, rel=0.05)
+    # the angular widths' pass with bf16 products: the same work at the bf16 rate, above nothing and below float32's
+    low = plan("smollm2-135m", method="spap/allocation=angular,allocation_precision=bf16", nsamples=8,
+               seqlen=256).seconds["calibration forward passes"] - uniform["calibration forward passes"]
+    assert 0 < low < 0.5 * (stages["angular"]["calibration forward passes"] - uniform["calibration forward passes"])
     with pytest.raises(ParameterError, match="sets update otherwise"):
         sl.check_run("smollm2-135m", method="fasp/update=gd", hparams={"update": "ls"}, sparsity=0.2)

@@ -203,6 +203,9 @@ class Method:
     # The share of the calibration windows whose dense pass decides a propagating method's non-uniform widths
     # (``pipeline.allocation_inputs``; a hyperparameter where a method offers it): all of them by default.
     allocation_sample: ClassVar[float] = 1.0
+    # The products of that dense pass's replay: "full" (the model's own) or "bf16" (``linalg.products``: bf16 inputs,
+    # float32 sums; the hidden states stay float32). A hyperparameter where a method offers it.
+    allocation_precision: ClassVar[str] = "full"
     # CFSP's angular allocation, keep_l ∝ sigmoid(a·(I_l − mean I)/scale) (CFSP's hyperparameters; these
     # defaults serve other methods that offer allocation="angular").
     a: ClassVar[float] = 1.0

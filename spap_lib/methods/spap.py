@@ -433,6 +433,11 @@ class SPAP(Method):
     # 32 x 512 for the angular widths alone; a quarter of the windows cut that to 2% but gave back most of what the
     # widths gained (docs/results.md: three parts)
     allocation_sample: float = hp(1.0, gt=0, le=1)
+    # That pass's replay of the dense layers with bf16 products ("bf16", float32 sums and hidden states) or the
+    # model's own ("full"). The replay is all of the angular widths' cost; in bf16 it ran 1.8-2.4x as fast on a CPU
+    # with bf16 units, and the widths at 10-50% moved by at most 4 channels on SmolLM2 and Qwen2.5-Coder-0.5B
+    # (bench/results/allocation_pass_*.md)
+    allocation_precision: str = hp("full", choices=("full", "bf16"))
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
     # outputs decide: in SmolLM2's layers 2, 11 and 28 it stayed at 5%, 0.04% and 1.6% with 1,228 of 1,536
@@ -443,7 +448,7 @@ class SPAP(Method):
     error_weight: str = hp("residual", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
-                  "rank_tokens", "refit_precision", "allocation_sample")
+                  "rank_tokens", "refit_precision", "allocation_sample", "allocation_precision")
 
     @property
     def uses_targets(self) -> bool:
@@ -482,7 +487,7 @@ class SPAP(Method):
         if self.allocation != "error":
             inert |= {"error_tokens", "error_weight"}
         if self.allocation == "uniform":
-            inert.add("allocation_sample")
+            inert |= {"allocation_sample", "allocation_precision"}
         return {k: v for k, v in self.hparams().items() if k not in inert}
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
