@@ -138,11 +138,17 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     return stats
 
 
+def scores_from_dense_pass(method: Method, propagate: bool) -> bool:
+    """Whether the method's channels come from one pass of dense statistics (a score method without
+    propagation): that pass then serves every layer, and no layer is pruned in sequence."""
+    return method.scores_dense and not propagate
+
+
 def dense_pass_settings(method: Method, propagate: bool) -> tuple[float, bool]:
     """How the dense pass before the first prune is taken: the share of the windows it reads and whether its
     replay's products are bf16. A score method's statistics without propagation are its scores: every window, the
     model's precision. An allocation's pass: ``allocation_sample`` at ``allocation_precision``."""
-    if method.scores_dense and not propagate:
+    if scores_from_dense_pass(method, propagate):
         return 1.0, False
     return method.allocation_sample, method.allocation_precision == "bf16"
 
@@ -159,13 +165,13 @@ def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
 def needs_dense_stats(method: Method, propagate: bool) -> bool:
     """Dense statistics are used by methods that score dense channels without propagating, and by any
     non-uniform allocation (decided before the first layer is pruned)."""
-    return (method.scores_dense and not propagate) or method.allocation != "uniform"
+    return scores_from_dense_pass(method, propagate) or method.allocation != "uniform"
 
 
 def needs_channel_stats(method: Method, propagate: bool) -> bool:
     """Whether that dense pass must measure the channels (``ChannelStats.of``), not only each block's angular
     distance: for dense scores, and for an allocation that reads them (``allocation.READS_CHANNELS``)."""
-    return (method.scores_dense and not propagate) or alloc.READS_CHANNELS[method.allocation]
+    return scores_from_dense_pass(method, propagate) or alloc.READS_CHANNELS[method.allocation]
 
 
 def _resident(adapter: Adapter) -> Onloader:
@@ -216,7 +222,7 @@ def prune_model(
     uniform = method.allocation == "uniform"
     curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
     t_alloc = time.perf_counter()
-    scoring = method.scores_dense and not propagate  # a pass the method's scores need anyway
+    scoring = scores_from_dense_pass(method, propagate)  # a pass the method's scores need anyway
     if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
         share, low = dense_pass_settings(method, propagate)
         stats = dense_stats(adapter, allocation_inputs(inputs, share, batch_size), onloader=onloader,
@@ -233,7 +239,7 @@ def prune_model(
     # allocation itself
     allocation_seconds = 0.0 if uniform else time.perf_counter() - t_alloc
     resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
-    if method.scores_dense and not propagate:
+    if scoring:
         per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)
     else:
         # Hand the layer-0 inputs to the loop in a list it empties, so they are freed once layer 0 has
