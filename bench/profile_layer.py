@@ -6,6 +6,11 @@ do the work (Gram passes, Cholesky solves, Adam steps, error evaluations). Write
 twin with the command, so the breakdown in the README is regenerated, not typed.
 
     python bench/profile_layer.py --model smollm2-135m --layer 15 --nsamples 32 --seqlen 512
+
+On CUDA (``--device cuda``, with ``--random`` where no model files reach the machine) every stage is
+synchronised before and after it, so each is charged its own kernels, and a second run of each method
+under ``torch.profiler`` adds how long the GPU was busy and how often the host waited for it: a small
+layer whose GPU idles most of the time is bound by launches and waits, not by its arithmetic.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from contextlib import contextmanager
 
 import pandas as pd
 import torch
+from offload import device_name, random_calibration, random_checkpoint  # bench/, the script's own folder
+from tune import RANDOM_NOTE, synchronize
 
 import spap_lib as sl
 from spap_lib import linalg
@@ -24,6 +31,7 @@ from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem, base
 from spap_lib.methods import spap as spap_mod
+from spap_lib.models import pick_device
 
 # (module, function name, stage label): the functions that do the work, wrapped with a timer
 STAGES = [
@@ -37,17 +45,19 @@ STAGES = [
 
 
 @contextmanager
-def timed(totals: dict):
+def timed(totals: dict, device: torch.device):
     originals = []
     for module, name, label in STAGES:
         fn = getattr(module, name)
         originals.append((module, name, fn))
 
         def wrapper(*a, _fn=fn, _label=label, **k):
+            synchronize(device)  # CUDA runs ahead of the host: charge each stage its own kernels
             t0 = time.perf_counter()
             try:
                 return _fn(*a, **k)
             finally:
+                synchronize(device)
                 totals[_label] += time.perf_counter() - t0
 
         setattr(module, name, wrapper)
@@ -63,6 +73,27 @@ def timed(totals: dict):
             setattr(module, name, fn)
 
 
+# host calls that wait for the GPU or feed it: a copy from pageable memory waits for the stream too
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def traced(run, device: torch.device) -> dict:
+    """One more run under ``torch.profiler``: seconds of kernels and copies on the GPU, host waits for it,
+    copies and kernel launches. Busy time far below the wall time: the host's launches and waits bound the layer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        synchronize(device)
+    events = prof.events()
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    return {"GPU busy (kernels and copies)": sum(e.time_range.elapsed_us() for e in on_gpu) / 1e6,
+            "host waits (count of synchronize calls)": sum(n.startswith(WAITS) for n in names),
+            "copies (count of cudaMemcpy calls)": sum(n.startswith("cudaMemcpy") for n in names),
+            "kernel launches (count)": sum("LaunchKernel" in n for n in names)}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -74,11 +105,20 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=["fasp", "spap_no_update", "spap", "spap_gd"])
     # the Gram product in this many blocks of rows (``linalg.GRAM_BLOCKS``; 1 is the whole product), each in turn
     ap.add_argument("--gram-blocks", type=int, nargs="+", default=[linalg.GRAM_BLOCKS])
+    ap.add_argument("--device", default="cpu", help="where the layer is pruned ('auto': CUDA where there is one)")
+    ap.add_argument("--random", action="store_true",
+                    help="random weights of the model's shipped config and random tokens: no model files needed; "
+                         "the times hold, the errors are those of random layers")
     ap.add_argument("--out", default="bench/results/profile_layer.csv")
     args = ap.parse_args(argv)
     command = " ".join(["python", "bench/profile_layer.py", *(sys.argv[1:] if argv is None else argv)])
-    loaded = sl.load(args.model, device="cpu")
-    calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
+    device = pick_device(args.device)
+    if args.random:  # the model's shapes, built here: no model files needed
+        loaded = sl.load(str(random_checkpoint(args.model, args.layer + 1, device)), device=args.device)
+        calib = random_calibration(loaded.model.config.vocab_size, args.nsamples, args.seqlen, seed=0)
+    else:
+        loaded = sl.load(args.model, device=args.device)
+        calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
     layers = loaded.adapter.layers()
     hidden, kwargs = first_layer_inputs(loaded.model, layers, calib.windows, 1, loaded.device)
     for i, layer in enumerate(layers[:args.layer + 1]):
@@ -95,8 +135,11 @@ def main(argv=None) -> None:
             problem = LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
                                       layer_index=args.layer)
             totals: dict = defaultdict(float)
+            if device.type == "cuda":  # the first call of each kernel loads it: warm up outside the clock
+                method.prune(problem)
+            synchronize(device)
             t0 = time.perf_counter()
-            with timed(totals):
+            with timed(totals, device):
                 result = method.prune(problem)
             total = time.perf_counter() - t0
             if name in results:  # the answer against the first setting's
@@ -110,12 +153,22 @@ def main(argv=None) -> None:
             rows.append({"method": label, "stage": "other (penalty loop bookkeeping, selection, copies)",
                          "seconds": total - sum(totals.values())})
             rows.append({"method": label, "stage": "total", "seconds": total})
+            if device.type == "cuda":  # unsynchronised, as a prune runs, and traced
+                synchronize(device)
+                t0 = time.perf_counter()
+                method.prune(problem)
+                synchronize(device)
+                rows.append({"method": label, "stage": "total, stages not synchronised",
+                             "seconds": time.perf_counter() - t0})
+                rows += [{"method": label, "stage": k, "seconds": v}  # counts, where the stage says so
+                         for k, v in traced(lambda: method.prune(problem), device).items()]
             print(label, f"{total:.2f} s", dict(totals), flush=True)
     frame = pd.DataFrame(rows)
     frame["model"], frame["layer"], frame["tokens"] = args.model, args.layer, args.nsamples * args.seqlen
     write_csv_atomic(args.out, frame)
     totals = frame[frame["stage"] == "total"].set_index("method")["seconds"]
-    wide = frame.pivot_table(index="stage", columns="method", values="seconds", sort=False).round(2)
+    wide = frame.pivot_table(index="stage", columns="method", values="seconds", sort=False).round(
+        2 if device.type == "cpu" else 4)  # a small layer's stages on a GPU take milliseconds
 
     def fasp_of(label: str) -> str:  # FASP at the same Gram blocks
         return label.replace(label.split(" [")[0], "fasp", 1)
@@ -123,7 +176,8 @@ def main(argv=None) -> None:
     ratios = ", ".join(f"{m} {totals[m] / totals[fasp_of(m)]:.1f}x" for m in totals.index if fasp_of(m) in totals)
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# One-layer time breakdown\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
-        f"Machine: {torch.get_num_threads()} CPU threads, float32 weights; layer {args.layer} of {args.model}, "
+        f"Device: {device_name(device)}{RANDOM_NOTE if args.random else ''}; "
+        f"{loaded.model.dtype} weights; layer {args.layer} of {args.model}, "
         f"{args.nsamples} x {args.seqlen} calibration tokens, sparsity {args.sparsity}, hyperparameters as "
         f"labelled (the rest default).\n\n{wide.to_markdown()}\n\nRatio to FASP: {ratios}\n"
         + "".join(f"\n* {line} (against the first Gram setting)" for line in same) + ("\n" if same else "")))

@@ -47,6 +47,31 @@ def test_spap_global_allocation_and_float32_on_cuda(windows):
     assert kept["float32"] == kept["float64"]
 
 
+@pytest.mark.parametrize("label", ["spap/select=act_norm,allocation=error", "spap/allocation=angular",
+                                   "spap/allocation=error,allocation_precision=bf16,allocation_sample=0.5",
+                                   "fasp/select=magnitude,allocation=global"])
+def test_compositions_on_cuda(label, windows, tiny_tokenizer, tmp_path):
+    """The parts compose on the device too: a non-uniform allocation's dense pass (bf16 products, a share of the
+    windows) spends exactly the plan, never empties a layer, and its checkpoint reloads to the same logits."""
+    from spap_lib.grid import Variant
+
+    loaded = _on_cuda("llama")
+    loaded.tokenizer = tiny_tokenizer
+    variant = Variant.parse(label)
+    method = sl.get_method(variant.method, **variant.hparams)
+    hp = {**{k: v for k, v in FAST.items() if k in method.effective_hparams()}, **variant.hparams}
+    calib = Calibration(windows, torch.arange(len(windows)), "v", "s", 1, 0)
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, calib, variant.method, 0.3, hparams=hp, progress=False)
+    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
+    assert sum(64 - w for w in widths) == plan.n_remove * len(widths) and min(widths) >= 1
+    out = sl.save(loaded, report, tmp_path / "m")
+    reloaded = sl.load(str(out), device="cuda", dtype="float32").model
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(windows.cuda()).logits, loaded.model(windows.cuda()).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("mode", ["cpu", "disk"])
 def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, monkeypatch):
     """Weights in host memory (or read from disk), one layer at a time on the GPU, the MLP inputs and targets

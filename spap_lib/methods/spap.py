@@ -142,7 +142,8 @@ def penalty_method(
         if first is None:
             first = torch.topk(score, lam, largest=False).indices  # the first score step's λ channels
         previous = score
-        stable = stable + 1 if marked is not None and torch.equal(s_new, marked) else 0
+        if patience:  # the comparison waits for the device: only where it can end the loop
+            stable = stable + 1 if marked is not None and torch.equal(s_new, marked) else 0
         marked = s_new
         s = alpha * s + (1 - alpha) * s_new
         # W-step: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + ρ diag(s) + δI)⁻¹ (the bias column is never penalised)
@@ -226,8 +227,10 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
     (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
     device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
-    for _ in range(steps):
-        idx = torch.randint(X.shape[0], (min(batch_tokens, X.shape[0]),), generator=gen).to(X.device)
+    # Every step's mini-batch drawn at once (the same draws as one call per step) and moved in one copy: on a GPU
+    # a copy per step made the host wait for the device at every step (bench/profile_layer.py --device cuda)
+    batches = torch.randint(X.shape[0], (steps, min(batch_tokens, X.shape[0])), generator=gen).to(X.device)
+    for idx in batches:
         x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # 6x ``T[idx]``'s rate
         with products(low, device):
             loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
