@@ -132,15 +132,18 @@ def main(argv=None) -> None:
         for name in args.methods:
             label = name if len(args.gram_blocks) == 1 else f"{name} [Gram in {blocks} blocks]"
             method = sl.get_method(name)
-            problem = LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
-                                      layer_index=args.layer)
+
+            def problem() -> LayerProblem:  # a fresh one for every run: a problem caches its Gram matrix and targets
+                return LayerProblem.of(method, loaded.adapter.get_mlp(layers[args.layer]), X, plan.n_remove,
+                                       layer_index=args.layer)
+
             totals: dict = defaultdict(float)
             if device.type == "cuda":  # the first call of each kernel loads it: warm up outside the clock
-                method.prune(problem)
+                method.prune(problem())
             synchronize(device)
             t0 = time.perf_counter()
             with timed(totals, device):
-                result = method.prune(problem)
+                result = method.prune(problem())
             total = time.perf_counter() - t0
             if name in results:  # the answer against the first setting's
                 keep, W = results[name]
@@ -156,12 +159,12 @@ def main(argv=None) -> None:
             if device.type == "cuda":  # unsynchronised, as a prune runs, and traced
                 synchronize(device)
                 t0 = time.perf_counter()
-                method.prune(problem)
+                method.prune(problem())
                 synchronize(device)
                 rows.append({"method": label, "stage": "total, stages not synchronised",
                              "seconds": time.perf_counter() - t0})
                 rows += [{"method": label, "stage": k, "seconds": v}  # counts, where the stage says so
-                         for k, v in traced(lambda: method.prune(problem), device).items()]
+                         for k, v in traced(lambda: method.prune(problem()), device).items()]
             print(label, f"{total:.2f} s", dict(totals), flush=True)
     frame = pd.DataFrame(rows)
     frame["model"], frame["layer"], frame["tokens"] = args.model, args.layer, args.nsamples * args.seqlen
