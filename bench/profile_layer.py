@@ -73,7 +73,7 @@ def timed(totals: dict, device: torch.device):
             setattr(module, name, fn)
 
 
-# host calls that wait for the GPU or feed it: a copy from pageable memory waits for the stream too
+# host calls that wait for the GPU (a copy from pageable host memory waits for the stream too: counted as a copy)
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
