@@ -44,6 +44,37 @@ def tiny_model(arch: str, seed: int = 0):
     return model
 
 
+def prune_save_reload(loaded, method: str, hparams: dict, windows, tokenizer, tmp_path, *, tol: float = 1e-5):
+    """Prune ``loaded`` at 30% on ``windows`` where it lives (CPU or GPU), then check what every method and
+    composition promises: exactly the planned channels go, no layer is emptied, and the saved checkpoint reloads
+    (stock transformers for uniform widths, spap's loader for per-layer ones) to the same logits."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    import spap_lib as sl
+    from spap_lib.data import Calibration
+
+    loaded.tokenizer, device = tokenizer, loaded.device
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    dense = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    report = sl.prune(loaded, calib, method, 0.3, hparams=hparams, progress=False)
+    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
+    assert sum(d - w for d, w in zip(dense, widths)) == plan.n_remove * len(widths)  # exactly the planned channels
+    assert min(widths) >= 1
+    out = sl.save(loaded, report, tmp_path / "m")
+    if len(set(widths)) == 1:
+        reloaded = AutoModelForCausalLM.from_pretrained(out).to(device).eval()  # stock transformers
+    else:
+        assert json.loads((out / "config.json").read_text())["spap_mlp_widths"] == widths
+        reloaded = sl.load(str(out), device=str(device), dtype="float32").model
+    with torch.no_grad():
+        ids = windows.to(device)
+        torch.testing.assert_close(reloaded(ids).logits, loaded.model(ids).logits, rtol=tol, atol=tol)
+    return report
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")

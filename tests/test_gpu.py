@@ -53,23 +53,14 @@ def test_spap_global_allocation_and_float32_on_cuda(windows):
 def test_compositions_on_cuda(label, windows, tiny_tokenizer, tmp_path):
     """The parts compose on the device too: a non-uniform allocation's dense pass (bf16 products, a share of the
     windows) spends exactly the plan, never empties a layer, and its checkpoint reloads to the same logits."""
+    from conftest import prune_save_reload
+
     from spap_lib.grid import Variant
 
-    loaded = _on_cuda("llama")
-    loaded.tokenizer = tiny_tokenizer
     variant = Variant.parse(label)
     method = sl.get_method(variant.method, **variant.hparams)
     hp = {**{k: v for k, v in FAST.items() if k in method.effective_hparams()}, **variant.hparams}
-    calib = Calibration(windows, torch.arange(len(windows)), "v", "s", 1, 0)
-    plan, dense = sl.plan_sparsity(loaded.adapter, 0.3), loaded.model.config.intermediate_size
-    report = sl.prune(loaded, calib, variant.method, 0.3, hparams=hp, progress=False)
-    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
-    assert sum(dense - w for w in widths) == plan.n_remove * len(widths) and min(widths) >= 1
-    out = sl.save(loaded, report, tmp_path / "m")
-    reloaded = sl.load(str(out), device="cuda", dtype="float32").model
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(windows.cuda()).logits, loaded.model(windows.cuda()).logits,
-                                   rtol=1e-4, atol=1e-4)
+    prune_save_reload(_on_cuda("llama"), variant.method, hp, windows, tiny_tokenizer, tmp_path, tol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["cpu", "disk"])

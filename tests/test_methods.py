@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import prune_save_reload
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
@@ -33,7 +34,7 @@ def _hparams(method, arch):
 @pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if not sl.METHODS[m].whole_model))  # MLP channels
 def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, tiny_tokenizer, tmp_path):
     """Same budget for every method; the saved checkpoint reloads to the same logits."""
-    _prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)
+    prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)
 
 
 COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "fasp/update=gd",
@@ -52,7 +53,7 @@ def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_t
     fast = {k: v for k, v in FAST.items() if k in method.effective_hparams()}  # the parts it has
     assert method.parts() == {**sl.get_method(variant.method).parts(),
                               **{k: v for k, v in variant.hparams.items() if k in ("select", "allocation", "update")}}
-    _prune_save_reload(loaded, variant.method, {**fast, **variant.hparams}, windows, tiny_tokenizer, tmp_path)
+    prune_save_reload(loaded, variant.method, {**fast, **variant.hparams}, windows, tiny_tokenizer, tmp_path)
 
 
 def test_presets_reproduce_their_methods():
@@ -183,23 +184,6 @@ def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joi
                       progress=False)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
-
-
-def _prune_save_reload(loaded, method, hparams, windows, tiny_tokenizer, tmp_path):
-    loaded.tokenizer = tiny_tokenizer
-    plan = sl.plan_sparsity(loaded.adapter, 0.3)
-    report = sl.prune(loaded, _calib(windows), method, 0.3, hparams=hparams, progress=False)
-    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
-    assert sum(64 - w for w in widths) == plan.n_remove * len(widths)  # exactly the planned channels
-    assert all(w >= 1 for w in widths)
-    out = sl.save(loaded, report, tmp_path / "m")
-    if len(set(widths)) == 1:
-        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()  # stock transformers
-    else:
-        assert json.loads((out / "config.json").read_text())["spap_mlp_widths"] == widths
-        reloaded = sl.load(str(out), device="cpu").model
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(windows).logits, loaded.model(windows).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_nonuniform_checkpoint_is_refused_by_stock_loading(tmp_path, windows, tiny_tokenizer):
