@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import pandas as pd
 import torch
 from offload import device_name, random_calibration, random_checkpoint  # bench/, the script's own folder
-from tune import RANDOM_NOTE, synchronize
+from tune import RANDOM_NOTE, device_arguments, synchronize
 
 import spap_lib as sl
 from spap_lib import linalg
@@ -105,10 +105,7 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", nargs="+", default=["fasp", "spap_no_update", "spap", "spap_gd"])
     # the Gram product in this many blocks of rows (``linalg.GRAM_BLOCKS``; 1 is the whole product), each in turn
     ap.add_argument("--gram-blocks", type=int, nargs="+", default=[linalg.GRAM_BLOCKS])
-    ap.add_argument("--device", default="cpu", help="where the layer is pruned ('auto': CUDA where there is one)")
-    ap.add_argument("--random", action="store_true",
-                    help="random weights of the model's shipped config and random tokens: no model files needed; "
-                         "the times hold, the errors are those of random layers")
+    device_arguments(ap)
     ap.add_argument("--out", default="bench/results/profile_layer.csv")
     args = ap.parse_args(argv)
     command = " ".join(["python", "bench/profile_layer.py", *(sys.argv[1:] if argv is None else argv)])

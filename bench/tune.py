@@ -52,6 +52,14 @@ def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, to
 RANDOM_NOTE = "; random weights and random tokens: the times hold, the errors are those of random layers"
 
 
+def device_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--random``: where a benchmark prunes, and whether on random layers of the model's shapes."""
+    ap.add_argument("--device", default="cpu", help="where the layers are pruned ('auto': CUDA where there is one)")
+    ap.add_argument("--random", action="store_true",
+                    help="random weights of the model's shipped config and random tokens: no model files needed; "
+                         "the times hold, the errors are those of random layers")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -87,10 +95,7 @@ def main(argv=None) -> None:
                     "the same count and seqlen give the same windows, so runs at two budgets compare")
     ap.add_argument("--repeat", type=int, default=1, help="time every setting on every layer this many times, "
                     "interleaved; a layer's time is the median")
-    ap.add_argument("--device", default="cpu", help="where the layers are pruned ('auto': CUDA where there is one)")
-    ap.add_argument("--random", action="store_true",
-                    help="random weights of the model's shipped config and random tokens: no model files needed; "
-                         "the times hold, the errors are those of random layers")
+    device_arguments(ap)
     ap.add_argument("--out", default="bench/results/tune.csv")
     args = ap.parse_args(argv)
 
