@@ -97,7 +97,7 @@ test: setup
 		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml \
 			-p run_dir $(SMOKE_RUN) || exit 1; \
 	done
-	SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --nbval-lax $(SMOKE_NB) tests
+	SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=15 --nbval-lax $(SMOKE_NB) tests
 
 clean:
 	rm -rf runs
