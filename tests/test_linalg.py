@@ -207,6 +207,37 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     assert passes == [(3000, False)] * 4 and exact["final"] == min(exact["rounds"])
 
 
+def test_the_final_refit_runs_after_adams_state_is_freed(monkeypatch):
+    """Adam's moments and the last gradients are gone when the final refit passes over every token: on a GPU that
+    pass and its solve were the prune's peak while they lived (a 6·d·k float32 saving)."""
+    import spap_lib.methods.spap as spap_mod
+
+    pruned, X, Y = _update_problem()
+    H, YZ = gram(pruned, X, 700, Y)
+    made, seen = [], []
+    real_adam, real_gram = spap_mod.adam, spap_mod.gram
+    monkeypatch.setattr(spap_mod, "adam", lambda *a: made.append(real_adam(*a)) or made[-1])
+    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: seen.append(
+        (len(X_), len(made[0][1].state), any(p.grad is not None for p in made[0][0]))) or real_gram(m, X_, *a, **k))
+    alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ), iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
+                       damp=1e-6, chunk=700, seed=0, sketch_tokens=1000, low=True)
+    assert seen[:4] == [(1000, 2, True)] * 4  # the rounds: the moments of gate and up, their gradients
+    assert seen[4:] == [(3000, 0, False)]  # the final refit on every token: both freed
+
+
+@pytest.mark.parametrize("block", [8, 1024])
+def test_reconstruction_error_in_float64_blocks_is_the_direct_error(monkeypatch, block):
+    """``‖Y − W Z̃‖²`` from the Gram statistics, a block of W's rows and H's columns at a time (ragged last blocks
+    too), equals the error computed from the tokens."""
+    import spap_lib.methods.spap as spap_mod
+
+    Z, Y = _data(n=25, d=37, N=400)
+    W = ridge(Y @ Z.T, Z @ Z.T, torch.full((25,), 1e-3, dtype=torch.float64)).float()  # a fit, so the terms cancel
+    monkeypatch.setattr(spap_mod, "ERROR_BLOCK", block)
+    error = spap_mod.reconstruction_error(W, (Z @ Z.T).float(), (Y @ Z.T).float(), float((Y ** 2).sum()))
+    assert error == pytest.approx(float(((Y - W.double() @ Z) ** 2).sum()), rel=1e-5)
+
+
 def test_the_final_refit_in_bf16_takes_bf16_products_and_reports_its_real_error(monkeypatch):
     """``refit_precision="bf16"``: the best round's refit on every token takes the rounds' bf16 products (one
     pass, ``low``), its output projection is the least-squares fit on those statistics, close to the full

@@ -322,7 +322,9 @@ class Method:
           (``linalg.solve_spd``); ``Y Zᵀ``, ``W`` and the right-hand sides ``3·d·(n+1)·p``;
         * the update's rounds (``uses_targets``; the dense Gram released): a round's Gram matrix and its system
           ``2·(k+1)²·p``, ``Y Zᵀ`` and ``W`` ``2·d·(k+1)·p``, the pruned MLP with its gradients and Adam's two moments
-          ``(4·in_proj+1)·d·k·4``, a chunk at width ``k``."""
+          ``(4·in_proj+1)·d·k·4``, a chunk at width ``k``. The final refit that follows (Adam's state freed first)
+          holds the trained MLP and the best round's copy, ``2·(in_proj+1)·d·k·4``, with a solve at width ``k`` and the
+          error's float64 blocks (``ERROR_BLOCK`` rows): never more than a round, so it is not a stage of its own."""
         if not self.fits:
             return {}
         m, c, k = s.in_proj, min(s.chunk, s.N), s.n_keep

@@ -179,15 +179,24 @@ def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
     return torch.cat([keep, keep.new_tensor([n])]) if bias else keep
 
 
+# Rows of W (and columns of H) per float64 block of ``reconstruction_error``: every MLP up to this hidden size is one
+# block of rows, and a block's float64 copies are then W's own size at most; past it they stay ~0.2 GB each (a 70B
+# layer's W in float64 alone is 1.5 GB, and the error runs in the final refit, beside everything else).
+ERROR_BLOCK = 1024
+
+
 def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
     """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``, in float64 whatever the precision
-    (a difference of large, nearly equal terms). ``H`` goes to float64 a block of columns at a time, each block
-    no larger than ``W``'s own float64 copy: never a float64 copy of the whole ``n × n`` matrix."""
-    W = W.double()
-    block = W.shape[0]
-    quadratic = sum(float(((W @ H[:, j:j + block].double()) * W[:, j:j + block]).sum())
-                    for j in range(0, H.shape[1], block))
-    return float(YY - 2 * (W * YZ.double()).sum()) + quadratic
+    (a difference of large, nearly equal terms). ``W``, ``Y Z̃ᵀ`` and ``H`` go to float64 a block at a time
+    (``ERROR_BLOCK`` rows of ``W``, as many columns of ``H``): never a float64 copy of a whole matrix."""
+    rows = min(W.shape[0], ERROR_BLOCK)
+    linear = quadratic = 0.0
+    for i in range(0, W.shape[0], rows):
+        Wi = W[i:i + rows].double()
+        linear += float((Wi * YZ[i:i + rows].double()).sum())
+        quadratic += sum(float(((Wi @ H[:, j:j + rows].double()) * Wi[:, j:j + rows]).sum())
+                         for j in range(0, H.shape[1], rows))
+    return float(YY - 2 * linear) + quadratic
 
 
 @contextmanager
@@ -348,9 +357,17 @@ def alternating_update(
         with products(low, device):
             return calibration_error(m, Xr, Yr, chunk) / YYr
 
+    def final_refit(m: MLP) -> float:
+        # Adam's moments and the last gradients are done with: freed, the refit's Gram pass and solve have their
+        # room (on 8B shapes the refit was the prune's device peak while they lived, bench/results/offload_gpu_h200.md)
+        opt.state.clear()
+        for p in W_in:
+            p.grad = None
+        return closed_form(m, X, Y, YY, refit_low)
+
     with trainable(W_in):
         return best_round(mlp, iters, one_round, start_error=start_error, exact=not sampled and not low,
-                          full_error=lambda m: closed_form(m, X, Y, YY, refit_low))
+                          full_error=final_refit)
 
 
 def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
