@@ -359,7 +359,7 @@ def alternating_update(
 
     def final_refit(m: MLP) -> float:
         # Adam's moments and the last gradients are done with: freed, the refit's Gram pass and solve have their
-        # room (on 8B shapes the refit was the prune's device peak while they lived, bench/results/offload_gpu_h200.md)
+        # room (on 8B shapes the refit was the prune's device peak while they lived: bench/memory_peak.py)
         opt.state.clear()
         for p in W_in:
             p.grad = None
