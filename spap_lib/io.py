@@ -319,6 +319,18 @@ def versions() -> dict:
     return out
 
 
+def cpu_name() -> str:
+    """The processor's model name: a CPU's kernels (bf16 products, above all) differ between processors, and so do
+    the last digits of a CPU run's results (``make main``: 37.916 on one x86 CPU, 37.924 on another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def manifest(**fields) -> dict:
     """Versions, git revision, host and time, plus whatever the run adds (parameters, seed, …)."""
     import torch
@@ -327,7 +339,8 @@ def manifest(**fields) -> dict:
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_revision": git_revision(),
         "versions": versions(),
-        "host": {"machine": platform.machine(), "cuda": torch.cuda.is_available(), "threads": torch.get_num_threads()},
+        "host": {"machine": platform.machine(), "cpu": cpu_name(), "cuda": torch.cuda.is_available(),
+                 "threads": torch.get_num_threads()},
         **fields,
     }
 
