@@ -22,7 +22,7 @@ from offload import device_name
 
 from spap_lib.adapters import MLP
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.methods.spap import adam, adam_steps_on
+from spap_lib.methods.spap import adam, adam_steps_on, trainable
 from spap_lib.plan import shipped_config
 
 
@@ -44,8 +44,12 @@ def graphed_rounds(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: int, step
                    low: bool, seed: int) -> None:
     """``rounds × steps`` Adam steps with the draws of ``adam_steps_on``; one step captured, then replayed."""
     params = [*mlp.W_in]
-    for p in params:
-        p.requires_grad_(True)
+    with trainable(params):
+        _graphed(mlp, params, X, Y, rounds, steps, batch, lr, low, seed)
+
+
+def _graphed(mlp: MLP, params: list[torch.Tensor], X: torch.Tensor, Y: torch.Tensor, rounds: int, steps: int,
+             batch: int, lr: float, low: bool, seed: int) -> None:
     opt = torch.optim.Adam([{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt())} for p in params],
                            lr=lr, fused=True, capturable=True)
     # Adam's state must exist before the capture; a step on zero gradients creates it and moves no weight
@@ -72,20 +76,15 @@ def graphed_rounds(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: int, step
         for row in draws:
             idx.copy_(row)
             graph.replay()
-    for p in params:
-        p.requires_grad_(False)
 
 
 def eager_rounds(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: int, steps: int, batch: int, lr: float,
                  low: bool, seed: int) -> None:
     params, opt = adam(mlp.W_in, mlp.b_in, lr, "rms")
     gen = torch.Generator().manual_seed(seed)
-    for p in params:
-        p.requires_grad_(True)
-    for _ in range(rounds):
-        adam_steps_on(mlp, X, Y, opt, gen, steps, batch, low)
-    for p in params:
-        p.requires_grad_(False)
+    with trainable(params):
+        for _ in range(rounds):
+            adam_steps_on(mlp, X, Y, opt, gen, steps, batch, low)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ import io
 import pstats
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -70,9 +71,9 @@ def main() -> None:
     trace = torch.cuda.memory._snapshot()["device_traces"][0]
     torch.cuda.memory._record_memory_history(enabled=None)
     peak, at_peak = live_at_peak(trace)
-    by: dict[str, int] = {}
+    by: Counter[str] = Counter()
     for e in at_peak.values():
-        by[made_by(e)] = by.get(made_by(e), 0) + e["size"]
+        by[made_by(e)] += e["size"]
     lines = [f"Command: python bench/memory_peak.py {' '.join(sys.argv[1:])}", f"Revision: {git_revision()}",
              f"Device: {device_name(device)}; {a.model} with random weights, {a.layers} layers, offload={a.offload}, "
              f"{a.method} at {a.sparsity}, {a.nsamples} x {a.seqlen} random tokens",
