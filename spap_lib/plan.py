@@ -17,8 +17,9 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   streamed through the solver a chunk at a time);
 * the larger of one batch through the layer (the replay) and the layer's working set, which each method
   declares (``Method.working_set``: its largest stage; for fitting methods the Gram matrix and the system
-  factorised in place, ``2·(n+1)²·p``, beside the float32 dense MLP and the solver's or Adam's state); the
-  update's start and best round wait in host memory (``Method.host_set``; a CPU's one memory);
+  factorised in place, ``2·(n+1)²·p``, beside the float32 dense MLP and the solver's or Adam's state, and the
+  update's token samples where ``X`` and ``Y`` are on the device); the update's start and best round (and, where
+  ``X`` and ``Y`` stream, its token samples) wait in host memory (``Method.host_set``; a CPU's one memory);
 * evaluation: the logits of one window, ``eval_seqlen·V·b``, and the loss of 256 positions at a time
   in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device, and the logits of one span of
   256 positions at a time, ``256·V·b``: ``capture.streamed_logits``).
@@ -268,19 +269,19 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
     # a layer-wise method passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
     # whole-model method's passes use ``chunk`` as it is
+    resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
+    # MLP inputs X and (a method whose update fits them token by token, ``uses_targets``) the dense targets Y: on the
+    # device, but offloaded from a GPU in pinned host memory, streamed through the solver a chunk at a time
+    # (``Onloader.calibration``). A least-squares refit needs only the Gram matrix: its Y is never made.
+    streamed = gpu and not resident
     shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], p=p, b=b, vocab=V, tied=c["tied"],
-                    chunk=chunk if algo.whole_model else chunk_for(n, chunk))
+                    chunk=chunk if algo.whole_model else chunk_for(n, chunk), streamed=streamed)
     layer_bytes = c["decoder"] / L * b
     base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head
     eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
 
     # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
-    resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
-    # MLP inputs X and (a method whose update fits them token by token, ``uses_targets``) the dense targets Y: on the
-    # device, but offloaded from a GPU in pinned host memory, streamed through the solver a chunk at a time
-    # (``Onloader.calibration``). A least-squares refit needs only the Gram matrix: its Y is never made.
     solver_inputs = (2 if algo.uses_targets else 1) * N * d * b
-    streamed = gpu and not resident
     memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
               # layer inputs and outputs (resident only; offloaded they wait in host memory), X and Y
               "calibration activations": (2 * N * d * b if resident else 0) + (0 if streamed else solver_inputs),

@@ -43,8 +43,11 @@ def test_memory_terms_follow_their_formulas():
     assert solves64.memory_gb[key] == pytest.approx(2 * (n + 1) ** 2 * 8 / GB, rel=1e-6)
     assert solves32.memory_gb[key] == pytest.approx(solves64.memory_gb[key] / 2)  # auto: tf32 on a GPU, 4 bytes
     rounds = "a round's Gram matrix + factor (update rounds)"  # SPAP's largest stage in float32: the update's rounds
-    assert rounds not in solves32.memory_gb and rounds not in base.memory_gb  # float64: 8-byte solves are the largest
-    assert base.memory_gb[key] == pytest.approx(solves64.memory_gb[key])
+    assert rounds not in solves32.memory_gb  # no update: the solves are the largest stage
+    # SPAP in float64: the rounds' 8-byte systems with their token samples (0.5 GB) outweigh the dense solves
+    assert rounds in base.memory_gb and key not in base.memory_gb
+    no_samples = plan("llama-3.1-8b", device="rtx4090", nsamples=64, offload="none", hparams=f64 | {"sketch_tokens": 0})
+    assert no_samples.memory_gb[key] == pytest.approx(solves64.memory_gb[key])  # without them the solves are
     assert fp32.seconds["penalty / refit solves"] < base.seconds["penalty / refit solves"] / 10  # 4090 fp64
     score = plan("llama-3.1-8b", method="wanda_sp", device="rtx4090", nsamples=64, offload="none")
     auto = plan("llama-3.1-8b", device="rtx4090", nsamples=64, offload="none")
@@ -52,6 +55,34 @@ def test_memory_terms_follow_their_formulas():
     assert plan("llama-3.1-8b", device="cpu-2core", nsamples=64, offload="none").memory_gb[rounds] \
         == pytest.approx(fp32.memory_gb[rounds])  # auto is float32 on a CPU too
     assert rounds not in score.memory_gb and score.total_seconds < base.total_seconds / 10
+
+
+def test_the_updates_token_samples_are_counted_where_x_and_y_are():
+    """SPAP's rounds copy ``sketch_tokens`` rows of X and Y (and, resampled, a ranking sample beside each round's):
+    on the device when X and Y are there, in host memory when they stream from it, nowhere when a round sees every
+    token (no copy)."""
+    kw = dict(device="h100", nsamples=128, seqlen=2048)
+    d, row = 4096, 2 * 4096 * 2  # an X row and a Y row, bf16
+    key, host_key = "token samples (update rounds)", "update's token samples"
+    resident, streamed = plan("llama-3.1-8b", offload="none", **kw), plan("llama-3.1-8b", offload="cpu", **kw)
+    assert resident.memory_gb[key] == pytest.approx(2 * 16384 * row / GB)  # the ranking sample and a round's
+    assert key not in streamed.memory_gb
+    lean = plan("llama-3.1-8b", offload="none", hparams={"rank_tokens": 4096, "sketch_tokens": 8192}, **kw)
+    assert lean.memory_gb[key] == pytest.approx((4096 + 8192) * row / GB)
+    one = plan("llama-3.1-8b", offload="none", hparams={"sketch_resample": False}, **kw)
+    assert one.memory_gb[key] == pytest.approx(16384 * row / GB)
+    exact = plan("llama-3.1-8b", offload="none", hparams={"sketch_tokens": 0}, **kw)
+    assert key not in exact.memory_gb
+    assert "token samples" not in str(plan("llama-3.1-8b", method="fasp", **kw).memory_gb)
+    # streamed, the samples are host memory: the same run with one round sample fewer needs that much less there
+    host_lean = plan("llama-3.1-8b", offload="cpu", hparams={"sketch_resample": False}, **kw)
+    assert streamed.peak_host_gb - host_lean.peak_host_gb == pytest.approx(16384 * row / GB)
+    from spap_lib.methods import get_method
+    from spap_lib.methods.base import Shapes
+
+    s = Shapes(N=128 * 2048, d=d, n=14336, n_keep=11000, in_proj=2, chunk=2048, p=4, b=2, vocab=1, tied=False,
+               streamed=True)
+    assert get_method("spap").host_set(s)[host_key] == 2 * 16384 * row
 
 
 def test_paper_headline_setting_on_one_24gb_card():

@@ -37,7 +37,9 @@ class Shapes:
     """What a method's cost depends on, per decoder layer (``Method.cost``, ``Method.working_set``): ``N``
     calibration tokens, hidden size ``d``, MLP width ``n`` of which ``n_keep`` are kept, ``in_proj`` input
     projections (gate and up: 2; fc1: 1), ``chunk`` tokens per Gram pass, ``p`` bytes per number of the
-    method's precision and ``b`` of the model's dtype, and the vocabulary ``vocab`` with ``tied`` embeddings."""
+    method's precision and ``b`` of the model's dtype, and the vocabulary ``vocab`` with ``tied`` embeddings.
+    ``streamed``: ``X`` and ``Y`` wait in host memory and reach the device a chunk at a time (offloaded from a GPU),
+    so what is drawn from them (``Method.token_samples``) waits there too."""
 
     N: int
     d: int
@@ -49,6 +51,7 @@ class Shapes:
     b: int
     vocab: int
     tied: bool
+    streamed: bool = False
 
 
 def highest(score: torch.Tensor, n_keep: int) -> torch.Tensor:
@@ -324,7 +327,8 @@ class Method:
           ``2·(k+1)²·p``, ``Y Zᵀ`` and ``W`` ``2·d·(k+1)·p``, the pruned MLP with its gradients and Adam's two moments
           ``(4·in_proj+1)·d·k·4``, a chunk at width ``k``. The final refit that follows (Adam's state freed first)
           holds the trained MLP and the best round's copy, ``2·(in_proj+1)·d·k·4``, with a solve at width ``k`` and the
-          error's float64 blocks (``ERROR_BLOCK`` rows): never more than a round, so it is not a stage of its own."""
+          error's float64 blocks (``ERROR_BLOCK`` rows): never more than a round, so it is not a stage of its own.
+          The rounds' token samples (``token_samples``) are part of it where ``X`` and ``Y`` are on the device."""
         if not self.fits:
             return {}
         m, c, k = s.in_proj, min(s.chunk, s.N), s.n_keep
@@ -342,13 +346,24 @@ class Method:
                                        "Y Zᵀ, W": 2 * s.d * (k + 1) * s.p,
                                        "pruned MLP, gradients, Adam moments": (4 * m + 1) * s.d * k * 4,
                                        "a chunk and its Gram block": chunk_and_block(k)}
+            if self.token_samples(s) and not s.streamed:
+                stages["update rounds"]["token samples"] = self.token_samples(s)
         stage = max(stages, key=lambda name: sum(stages[name].values()))
         return dense | {f"{part} ({stage})": v for part, v in stages[stage].items()}
 
     def host_set(self, s: Shapes) -> dict[str, float]:
         """Bytes the method keeps in host memory while it prunes a layer (a CPU's one memory: its device's too): the
-        update's start and best round (``best_round``), float32 copies of the pruned MLP."""
-        return {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4} if self.uses_targets else {}
+        update's start and best round (``best_round``), float32 copies of the pruned MLP, and where ``X`` and ``Y``
+        stream from host memory the rounds' token samples drawn from them."""
+        if not self.uses_targets:
+            return {}
+        samples = {"update's token samples": self.token_samples(s)} if s.streamed and self.token_samples(s) else {}
+        return {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4} | samples
+
+    def token_samples(self, s: Shapes) -> float:
+        """Bytes of the copies of ``X`` and ``Y`` rows an update draws for its rounds, held where ``X`` and ``Y`` are
+        (none here)."""
+        return 0.0
 
 
 METHODS: dict[str, type[Method]] = {}

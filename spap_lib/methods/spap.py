@@ -567,6 +567,16 @@ class SPAP(Method):
                                                  "steps": self.am_iters + refit}
         return stages
 
+    def token_samples(self, s: Shapes) -> float:
+        """The rounds' samples of ``X`` and ``Y`` rows (``subsample``; every token is no copy): one of
+        ``sketch_tokens``, and resampled, the ranking sample of ``rank_tokens`` beside each round's fresh one."""
+        if self.update not in ROUNDS or not self.am_iters or not 0 < self.sketch_tokens < s.N:
+            return 0.0
+        resampled = self.sketch_resample and self.update != "gd"
+        ranking = min(self.rank_tokens or self.sketch_tokens, s.N) if resampled else 0
+        tokens = self.sketch_tokens + (ranking if ranking < s.N else 0)
+        return tokens * 2 * s.d * s.b
+
     def channel_stats(self, mlp: MLP, X: torch.Tensor, H: torch.Tensor, chunk: int) -> ChannelStats:
         """What the selection's score reads: ``‖Z_j‖`` from the Gram diagonal, or a pass over the tokens for a
         score that needs channel means (``parts.NEEDS_MEAN``)."""
