@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from offload import device_name
 
 from spap_lib.adapters import MLP
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods.spap import adam, adam_steps_on, trainable
 from spap_lib.plan import shipped_config
 

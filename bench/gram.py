@@ -17,7 +17,7 @@ import time
 import pandas as pd
 import torch
 
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import GRAM_BLOCKS, add_gram, mirror
 
 
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         print(rows[-1], flush=True)
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    where = device_name(device)
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# The Gram pass: whole product against upper-triangle blocks\n\nCommand: `{command}`  \n"
         f"Revision: `{git_revision()}`  \nMachine: {where}, float32, chunks of {args.chunk} tokens, "

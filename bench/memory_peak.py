@@ -18,10 +18,10 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from offload import device_name, random_calibration, random_checkpoint  # bench/, the script's own folder
+from offload import random_calibration, random_checkpoint  # bench/, the script's own folder
 
 import spap_lib as sl
-from spap_lib.io import git_revision, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_text_atomic
 
 GiB = 2**30
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.data import Calibration
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.memory import peak_rss_mb
 from spap_lib.plan import available_host_gb, local_device, plan
 
@@ -126,12 +125,6 @@ def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -
     """``nsamples`` windows of uniformly random tokens: a random model's calibration set (seeded)."""
     windows = torch.randint(0, vocab_size, (nsamples, seqlen), generator=torch.Generator().manual_seed(seed))
     return Calibration(windows, [0] * nsamples, "random tokens", "random", windows.numel(), seed)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({os.cpu_count()} threads)"
 
 
 def main(argv=None) -> None:

@@ -22,13 +22,13 @@ from contextlib import contextmanager
 
 import pandas as pd
 import torch
-from offload import device_name, random_calibration, random_checkpoint  # bench/, the script's own folder
+from offload import random_calibration, random_checkpoint  # bench/, the script's own folder
 from tune import RANDOM_NOTE, device_arguments, synchronize
 
 import spap_lib as sl
 from spap_lib import linalg
 from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem, base
 from spap_lib.methods import spap as spap_mod
 from spap_lib.models import pick_device

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from spap_lib.io import REPO, git_revision, write_json_atomic
+from spap_lib.io import REPO, device_name, git_revision, write_json_atomic
 
 TABLE = REPO / "spap_lib" / "throughput.json"
 
@@ -60,8 +60,7 @@ def main(argv=None) -> None:
     table[args.name] = {"flops_per_second": {k: round(v) for k, v in out.items()}, **memory, "source": "measured",
                         "command": f"python bench/throughput.py --name {args.name} --device {args.device} "
                                    f"--n {n} --d {d}",
-                        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-                                   f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'CPU'}",
+                        "machine": f"{platform.machine()}, {device_name(dev)}",
                         "revision": git_revision()}
     write_json_atomic(TABLE, table)
     print(json.dumps(table[args.name], indent=1))

@@ -18,12 +18,12 @@ from contextlib import ExitStack
 import numpy as np
 import pandas as pd
 import torch
-from offload import device_name, random_calibration, random_checkpoint
+from offload import random_calibration, random_checkpoint
 
 import spap_lib as sl
 from spap_lib.capture import capture_inputs
 from spap_lib.checks import scalar
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
 
 PENALTY_GRID = {

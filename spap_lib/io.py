@@ -331,6 +331,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def device_name(device) -> str:
+    """What a measurement ran on, for a benchmark's header: the GPU's name, or the CPU's with its threads."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
 def manifest(**fields) -> dict:
     """Versions, git revision, host and time, plus whatever the run adds (parameters, seed, …)."""
     import torch
