@@ -8,6 +8,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
+from spap_lib.methods.base import Shapes
 from spap_lib.plan import GB, plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,12 +78,9 @@ def test_the_updates_token_samples_are_counted_where_x_and_y_are():
     # streamed, the samples are host memory: the same run with one round sample fewer needs that much less there
     host_lean = plan("llama-3.1-8b", offload="cpu", hparams={"sketch_resample": False}, **kw)
     assert streamed.peak_host_gb - host_lean.peak_host_gb == pytest.approx(16384 * row / GB)
-    from spap_lib.methods import get_method
-    from spap_lib.methods.base import Shapes
-
     s = Shapes(N=128 * 2048, d=d, n=14336, n_keep=11000, in_proj=2, chunk=2048, p=4, b=2, vocab=1, tied=False,
                streamed=True)
-    assert get_method("spap").host_set(s)[host_key] == 2 * 16384 * row
+    assert sl.get_method("spap").host_set(s)[host_key] == 2 * 16384 * row
 
 
 def test_paper_headline_setting_on_one_24gb_card():
@@ -210,7 +208,6 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     from pathlib import Path
 
     from spap_lib.methods import METHODS, Method
-    from spap_lib.methods.base import Shapes
     from spap_lib.plan import THROUGHPUT
 
     tree = ast.parse((Path(sl.__file__).parent / "plan.py").read_text())

@@ -346,8 +346,9 @@ class Method:
                                        "Y Zᵀ, W": 2 * s.d * (k + 1) * s.p,
                                        "pruned MLP, gradients, Adam moments": (4 * m + 1) * s.d * k * 4,
                                        "a chunk and its Gram block": chunk_and_block(k)}
-            if self.token_samples(s) and not s.streamed:
-                stages["update rounds"]["token samples"] = self.token_samples(s)
+            samples = self.token_samples(s)
+            if samples and not s.streamed:
+                stages["update rounds"]["token samples"] = samples
         stage = max(stages, key=lambda name: sum(stages[name].values()))
         return dense | {f"{part} ({stage})": v for part, v in stages[stage].items()}
 
@@ -357,8 +358,9 @@ class Method:
         stream from host memory the rounds' token samples drawn from them."""
         if not self.uses_targets:
             return {}
-        samples = {"update's token samples": self.token_samples(s)} if s.streamed and self.token_samples(s) else {}
-        return {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4} | samples
+        held = {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4}
+        samples = self.token_samples(s)
+        return held | ({"update's token samples": samples} if s.streamed and samples else {})
 
     def token_samples(self, s: Shapes) -> float:
         """Bytes of the copies of ``X`` and ``Y`` rows an update draws for its rounds, held where ``X`` and ``Y`` are
