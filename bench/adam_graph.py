@@ -21,7 +21,7 @@ import torch
 
 from spap_lib.adapters import MLP
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.methods.spap import adam, adam_steps_on, trainable
+from spap_lib.methods.alternating import adam, adam_steps_on, trainable
 from spap_lib.plan import shipped_config
 
 

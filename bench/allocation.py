@@ -21,7 +21,7 @@ import spap_lib as sl
 from spap_lib import allocation as alloc
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.linalg import chunk_for, lstsq_columns, token_energies
+from spap_lib.linalg import chunk_for, lstsq_columns, reconstruction_error, token_energies
 from spap_lib.methods import spap as spap_mod
 from spap_lib.stats import ChannelStats
 
@@ -33,7 +33,7 @@ def per_set_errors(WH, H, order, sizes, delta, YY, toward=None, pull=0.0) -> lis
     for k in sizes:
         cols = torch.sort(order[:k]).values
         W = lstsq_columns(WH, H, cols, delta, toward=toward, pull=pull)
-        errors.append(spap_mod.reconstruction_error(W, H[cols][:, cols], WH[:, cols], YY))
+        errors.append(reconstruction_error(W, H[cols][:, cols], WH[:, cols], YY))
     return errors
 
 

@@ -31,7 +31,8 @@ from spap_lib.grid import Variant
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import lstsq_columns, mean_diag
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.spap import column_scores, penalty_method
+from spap_lib.methods.parts import column_scores
+from spap_lib.methods.penalty import penalty_method
 
 TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds x 10 Adam steps (defaults)
           "spap/am_iters=20,spap_gd/am_iters=20,"  # the paper's 20 rounds, equal gradient steps (200)

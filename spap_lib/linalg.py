@@ -385,6 +385,26 @@ def nested_lstsq_errors(WH: torch.Tensor, H: torch.Tensor, order: torch.Tensor, 
     return errors
 
 
+# Rows of W (and columns of H) per float64 block of ``reconstruction_error``: every MLP up to this hidden size is one
+# block of rows, and a block's float64 copies are then W's own size at most; past it they stay ~0.2 GB each (a 70B
+# layer's W in float64 alone is 1.5 GB, and the error runs in the final refit, beside everything else).
+ERROR_BLOCK = 1024
+
+
+def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
+    """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``, in float64 whatever the precision
+    (a difference of large, nearly equal terms). ``W``, ``Y Z̃ᵀ`` and ``H`` go to float64 a block at a time
+    (``ERROR_BLOCK`` rows of ``W``, as many columns of ``H``): never a float64 copy of a whole matrix."""
+    block = min(W.shape[0], ERROR_BLOCK)
+    linear = quadratic = 0.0
+    for i in range(0, W.shape[0], block):
+        Wi = W[i:i + block].double()
+        linear += float((Wi * YZ[i:i + block].double()).sum())
+        quadratic += sum(float(((Wi @ H[:, j:j + block].double()) * Wi[:, j:j + block]).sum())
+                         for j in range(0, H.shape[1], block))
+    return float(YY - 2 * linear) + quadratic
+
+
 def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
     """``"name: k NaN, m Inf"`` for every parameter of ``model`` that is not finite."""
     bad = []

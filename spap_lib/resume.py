@@ -161,15 +161,22 @@ class LayerCheckpoint:
 
 def code_modules(method_cls) -> list:
     """The source that decides a layer's result: the modules of the method's class and of every class it
-    derives from (a preset's parent holds its algorithm), the parts, the channel statistics, the
-    allocations, the numerics and the pipeline."""
+    derives from (a preset's parent holds its algorithm), every module of the methods package those draw on
+    (the parts, the penalty method, the update's rounds), the channel statistics, the allocations, the numerics
+    and the pipeline."""
     import inspect
 
     from . import allocation, linalg, pipeline, stats
-    from .methods import parts
+    from .methods import parts  # its tables (``SCORES``) name no module, so the search below may not find it
 
-    own = [inspect.getmodule(c) for c in method_cls.__mro__ if c.__module__.startswith("spap_lib.")]
-    return list(dict.fromkeys([*own, parts, stats, allocation, linalg, pipeline]))
+    own = (inspect.getmodule(c) for c in method_cls.__mro__ if c.__module__.startswith("spap_lib."))
+    found = list(dict.fromkeys(own))
+    for module in found:  # grows as it goes: what a found module imports from the package is searched too
+        for value in vars(module).values():
+            source = inspect.getmodule(value)
+            if source is not None and source.__name__.startswith("spap_lib.methods.") and source not in found:
+                found.append(source)
+    return list(dict.fromkeys([*found, parts, stats, allocation, linalg, pipeline]))
 
 
 def code_hash(method_cls) -> str:

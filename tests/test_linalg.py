@@ -3,9 +3,12 @@ import pytest
 import torch
 
 import spap_lib as sl
+from spap_lib import linalg
 from spap_lib.adapters import MLP
-from spap_lib.linalg import NumericalError, gram, lstsq_columns, nested_lstsq_errors, ridge
-from spap_lib.methods.spap import alternating_update, penalty_method
+from spap_lib.linalg import NumericalError, gram, lstsq_columns, nested_lstsq_errors, reconstruction_error, ridge
+from spap_lib.methods import alternating
+from spap_lib.methods.alternating import adam, alternating_update, subsample
+from spap_lib.methods.penalty import penalty_method
 
 
 def _data(n=12, d=5, N=200, seed=0):
@@ -95,7 +98,7 @@ def test_penalty_method_returns_feasible_binary_mask(bias, lam, threshold):
 def test_one_penalty_iteration_removes_the_first_score_step():
     """K = 1: the hard mask is the first s-step's choice (``moved`` = 0) under either rule; more
     iterations with a strong penalty may move it, and ``moved`` counts exactly the difference."""
-    from spap_lib.methods.spap import column_scores
+    from spap_lib.methods.parts import column_scores
 
     Z, Y = _data()
     H = Z @ Z.T
@@ -147,7 +150,6 @@ def test_penalty_method_finds_planted_support(threshold):
 def _start(mlp, Y, H, YZ) -> dict:
     """``alternating_update``'s starting error (from the Gram statistics of ``mlp``'s start), ``‖Y‖²`` and precision."""
     from spap_lib.linalg import sq_norm
-    from spap_lib.methods.spap import reconstruction_error
 
     YY = sq_norm(Y)
     return {"start_error": reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY, "YY": YY, "dtype": H.dtype}
@@ -184,13 +186,11 @@ def _update_problem(N=3000, seed=0):
 def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch):
     """Rounds on a token sample in bf16: the best round is refitted once on all tokens at the method's
     precision (one more full Gram pass), and the error reported is that of the returned MLP on every token."""
-    import spap_lib.methods.spap as spap_mod
-
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     passes = []
-    real_gram = spap_mod.gram
-    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
+    real_gram = alternating.gram
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
                         real_gram(m, X_, *a, **k))
     out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
                                      iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
@@ -210,14 +210,12 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
 def test_the_final_refit_runs_after_adams_state_is_freed(monkeypatch):
     """Adam's moments and the last gradients are gone when the final refit passes over every token: on a GPU that
     pass and its solve were the prune's peak while they lived (a 6·d·k float32 saving)."""
-    import spap_lib.methods.spap as spap_mod
-
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     made, seen = [], []
-    real_adam, real_gram = spap_mod.adam, spap_mod.gram
-    monkeypatch.setattr(spap_mod, "adam", lambda *a: made.append(real_adam(*a)) or made[-1])
-    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: seen.append(
+    real_adam, real_gram = alternating.adam, alternating.gram
+    monkeypatch.setattr(alternating, "adam", lambda *a: made.append(real_adam(*a)) or made[-1])
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: seen.append(
         (len(X_), len(made[0][1].state), any(p.grad is not None for p in made[0][0]))) or real_gram(m, X_, *a, **k))
     alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ), iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
                        damp=1e-6, chunk=700, seed=0, sketch_tokens=1000, low=True)
@@ -229,12 +227,10 @@ def test_the_final_refit_runs_after_adams_state_is_freed(monkeypatch):
 def test_reconstruction_error_in_float64_blocks_is_the_direct_error(monkeypatch, block):
     """``‖Y − W Z̃‖²`` from the Gram statistics, a block of W's rows and H's columns at a time (ragged last blocks
     too), equals the error computed from the tokens."""
-    import spap_lib.methods.spap as spap_mod
-
     Z, Y = _data(n=25, d=37, N=400)
     W = ridge(Y @ Z.T, Z @ Z.T, torch.full((25,), 1e-3, dtype=torch.float64)).float()  # a fit, so the terms cancel
-    monkeypatch.setattr(spap_mod, "ERROR_BLOCK", block)
-    error = spap_mod.reconstruction_error(W, (Z @ Z.T).float(), (Y @ Z.T).float(), float((Y ** 2).sum()))
+    monkeypatch.setattr(linalg, "ERROR_BLOCK", block)
+    error = linalg.reconstruction_error(W, (Z @ Z.T).float(), (Y @ Z.T).float(), float((Y ** 2).sum()))
     assert error == pytest.approx(float(((Y - W.double() @ Z) ** 2).sum()), rel=1e-5)
 
 
@@ -244,12 +240,10 @@ def test_the_final_refit_in_bf16_takes_bf16_products_and_reports_its_real_error(
     refit's, and the error reported is the returned MLP's on every token. The option acts only where there is
     such a refit."""
     import spap_lib as sl
-    import spap_lib.methods.spap as spap_mod
-
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
-    passes, real_gram = [], spap_mod.gram
-    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
+    passes, real_gram = [], alternating.gram
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
                         real_gram(m, X_, *a, **k))
     run = dict(iters=4, adam_steps=20, lr=1e-2, batch_tokens=512, damp=1e-6, chunk=700, seed=0, sketch_tokens=1000,
                low=True)
@@ -281,7 +275,6 @@ def test_cheap_rounds_never_return_a_worse_layer():
 
 
 def test_subsample_is_a_fixed_sorted_sample_and_zero_means_every_token():
-    from spap_lib.methods.spap import subsample
 
     X, Y = torch.arange(100.0)[:, None], torch.arange(100.0)[:, None] * 2
     Xs, Ys = subsample(X, Y, 30, seed=3)
@@ -350,7 +343,6 @@ def test_adam_step_is_lr_times_each_tensors_rms(lr_scale):
     """Adam's first step moves every element by lr (its update is lr·sign(g) then): with lr_scale="rms"
     that is lr × the tensor's RMS, so one setting fits models whose weights differ 10× in scale
     (SmolLM2 ≈ 0.19, Qwen2.5-0.5B 0.004–0.06); a zero bias steps like its weight."""
-    from spap_lib.methods.spap import adam
 
     torch.manual_seed(0)
     W_gate, W_up, b = 0.01 * torch.randn(16, 8), 3.0 * torch.randn(16, 8), torch.zeros(16)
@@ -481,13 +473,11 @@ def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(m
     """``resample``: every round's closed form sees its own token sample (so the rounds see more of the
     tokens than one sample holds), the rounds are ranked on the first sample, the best round is refitted
     on every token and never returned worse than the start."""
-    import spap_lib.methods.spap as spap_mod
-
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     samples = []
-    real_gram = spap_mod.gram
-    monkeypatch.setattr(spap_mod, "gram", lambda m, X_, *a, **k: samples.append(X_.clone()) or
+    real_gram = alternating.gram
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: samples.append(X_.clone()) or
                         real_gram(m, X_, *a, **k))
     out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
                                      iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
@@ -503,12 +493,10 @@ def test_resampled_rounds_are_ranked_on_rank_tokens(monkeypatch):
     """With resampling the rounds are ranked by a forward pass on a sample of ``rank_tokens`` (0: ``sketch_tokens``);
     without it the one sample ranks the rounds it fits, and ``rank_tokens`` decides nothing."""
     import spap_lib as sl
-    import spap_lib.methods.spap as spap_mod
-
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
-    ranked, real = [], spap_mod.calibration_error
-    monkeypatch.setattr(spap_mod, "calibration_error", lambda m, X_, *a, **k: ranked.append(len(X_)) or
+    ranked, real = [], alternating.calibration_error
+    monkeypatch.setattr(alternating, "calibration_error", lambda m, X_, *a, **k: ranked.append(len(X_)) or
                         real(m, X_, *a, **k))
     for rank_tokens, expected in ((200, 200), (0, 500)):
         ranked.clear()

@@ -14,7 +14,8 @@ from spap_lib import allocation
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.data import Calibration
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.spap import SPAP, calibration_error
+from spap_lib.methods.alternating import calibration_error
+from spap_lib.methods.spap import SPAP
 from spap_lib.pipeline import dense_stats
 from spap_lib.stats import ChannelStats
 

@@ -126,10 +126,11 @@ def test_a_presets_saved_layers_are_tied_to_the_code_of_its_parts():
     """A preset's algorithm lives in its parent class and in the parts: an edit there must invalidate its
     saved layers too, not only an edit of the preset's own (near empty) module."""
     import spap_lib as sl
-    from spap_lib.methods import parts, spap
+    from spap_lib.methods import alternating, parts, penalty, spap
     from spap_lib.resume import code_modules
 
     for name in ("fasp", "spap_no_update", "spap_gd", "spap"):
         modules = code_modules(sl.METHODS[name])
-        assert spap in modules and parts in modules, name
-    assert spap not in code_modules(sl.METHODS["cfsp"])
+        assert {spap, parts, penalty, alternating} <= set(modules), name
+    assert not {spap, penalty, alternating} & set(code_modules(sl.METHODS["cfsp"]))
+    assert parts in code_modules(sl.METHODS["cfsp"])  # its scores

@@ -7,11 +7,11 @@ matrix, ``s ∈ {0,1}ⁿ`` marking the ``λ`` channels to *remove*:
 
     min_{W,s} ½‖W Z − Y‖²   s.t.  W diag(s) = 0,  1ᵀs = λ.
 
-1. ``penalty_method`` (Alg. 1): relax s to [0,1]ⁿ and penalise ``ρ Σⱼ sⱼ‖W[:,j]‖²``; alternate
+1. ``penalty.penalty_method`` (Alg. 1): relax s to [0,1]ⁿ and penalise ``ρ Σⱼ sⱼ‖W[:,j]‖²``; alternate
    the s-step (the λ lowest scores ``t‖W[:,j]‖² + (1−t)‖W[:,j]‖₁‖Zⱼ‖₂``, softened by
    ``s ← αs + (1−α)s_new``) and the closed-form W-step ``W = Y Zᵀ(Z Zᵀ + ρ diag(s) + δI)⁻¹``;
    grow ``ρ ← τρ``. Then a hard mask and a least-squares refit of the kept columns.
-2. ``alternating_update`` (§3.3): the MLP splits into input projections (gate/up or fc1) and the
+2. ``alternating.alternating_update`` (§3.3): the MLP splits into input projections (gate/up or fc1) and the
    output projection ``W``. Each round: Adam steps on the former with ``W`` fixed, then the closed
    form ``W = Y Zᵀ(Z Zᵀ + δI)⁻¹`` on the new ``Z``; the best round is kept.
 
@@ -62,9 +62,7 @@ Deviations from the paper (each measured or forced; bench/results/tune_*.md):
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -74,307 +72,20 @@ from ..linalg import (
     PRECISION_CHOICES,
     PRECISIONS,
     check_finite,
-    energies,
     gram,
     gram_flops,
     lstsq_columns,
     matmul_precision,
     mean_diag,
     nested_lstsq_errors,
-    products,
+    reconstruction_error,
     resolve_precision,
-    ridge,
-    rows,
-    sq_norm,
 )
 from ..stats import ChannelStats
+from .alternating import alternating_update, gradient_update, subsample
 from .base import LayerProblem, Method, PruneResult, Shapes, chunks_of, highest, register, solve_flops
 from .parts import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
-
-
-def penalty_method(
-    W0: torch.Tensor,
-    H: torch.Tensor,
-    lam: int,
-    *,
-    bias: bool,
-    rho0: float,
-    tau: float,
-    t: float,
-    alpha: float,
-    K: int,
-    damp: float,
-    threshold: str = "top",
-    scale_free: bool = False,
-    patience: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Alg. 1 on ``W0 [d, n(+1)]`` and ``H = Z̃ Z̃ᵀ``; with ``bias`` the last column/row is the bias.
-
-    ``threshold`` is the s-step's rule: ``"top"`` marks the λ lowest scores of this iteration;
-    ``"previous"`` is Algorithm 1 as printed, marking every channel whose score falls below
-    ``Top_{n−λ}`` of the *previous* iteration's scores (so the count may differ from λ; the hard
-    mask at the end removes exactly λ either way).
-    Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics,
-    among them ``moved``: how many removed channels differ from the first score step's choice, and ``iterations``.
-    ``scale_free``: each score term divided by its mean over the layer (``column_scores``). ``patience`` > 0 ends
-    the loop once ``s_new`` has marked the same channels at that many consecutive s-steps (0: all K iterations).
-    """
-    dtype = H.dtype  # the method's precision
-    n = H.shape[0] - int(bias)
-    scale = mean_diag(H[:n, :n])
-    delta = damp * scale
-    znorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()  # ‖Z_j‖₂ over all calibration tokens
-    YZ = W0.to(dtype) @ H  # = Y Z̃ᵀ, since Y = W0 Z̃
-    # Alg. 1, input: W ← W0, s ← 0, ρ ← ρ0
-    W = W0.to(dtype)
-    s = torch.zeros(n, dtype=dtype, device=H.device)
-    rho = rho0 * scale
-    previous, first, marked, stable, k = None, None, None, 0, 0
-    for k in range(1, K + 1):  # Alg. 1: for k = 1, …, K
-        # s-step: s_new marks the columns of lowest score; s moves toward it
-        score = column_scores(W[:, :n], znorm, t, scale_free)
-        s_new = torch.zeros_like(s)
-        if threshold == "previous" and previous is not None and 0 < lam < n:
-            # Alg. 1 as printed: s_new_j = 1 iff score_j < Top_{n−λ}(previous scores)
-            s_new[score < torch.topk(previous, n - lam).values[-1]] = 1.0
-        else:
-            s_new[torch.topk(score, lam, largest=False).indices] = 1.0
-        if first is None:
-            first = torch.topk(score, lam, largest=False).indices  # the first score step's λ channels
-        previous = score
-        if patience:  # the comparison waits for the device: only where it can end the loop
-            stable = stable + 1 if marked is not None and torch.equal(s_new, marked) else 0
-        marked = s_new
-        s = alpha * s + (1 - alpha) * s_new
-        # W-step: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + ρ diag(s) + δI)⁻¹ (the bias column is never penalised)
-        penalty = torch.full((H.shape[0],), delta, dtype=dtype, device=H.device)
-        penalty[:n] += rho * s
-        W = ridge(YZ, H, penalty)
-        # ρ ← τρ
-        rho *= tau
-        # The set s_new marks only grows more stable: the penalised columns shrink and score lower still. After
-        # ``patience`` unchanged s-steps the rest of the K iterations kept every mask measured (deviations).
-        if patience and stable >= patience:
-            break
-    # Alg. 1, output: the hard mask (the λ channels s marks most strongly; ties go to the lower
-    # score), then W refitted on the kept columns only.
-    score = column_scores(W[:, :n], znorm, t, scale_free)
-    by_score = torch.argsort(score)
-    order = by_score[torch.argsort(-s[by_score], stable=True)]
-    keep_mask = torch.ones(n, dtype=torch.bool, device=H.device)
-    keep_mask[order[:lam]] = False
-    keep = torch.nonzero(keep_mask).flatten()
-    cols = with_bias(keep, n, bias)
-    W_keep = lstsq_columns(YZ, H, cols, delta)
-    removed_first = torch.zeros(n, dtype=torch.bool, device=H.device)
-    if first is not None:
-        removed_first[first] = True
-    info = {"s_on_removed": float(s[order[:lam]].mean()) if lam else 1.0,
-            "moved": int((~keep_mask & ~removed_first).sum()), "iterations": k}
-    return keep, W_keep, info
-
-
-def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
-    """The columns of ``W̃ = [W, b]`` that the kept channels ``keep`` use: the bias column ``n`` too, if any."""
-    return torch.cat([keep, keep.new_tensor([n])]) if bias else keep
-
-
-# Rows of W (and columns of H) per float64 block of ``reconstruction_error``: every MLP up to this hidden size is one
-# block of rows, and a block's float64 copies are then W's own size at most; past it they stay ~0.2 GB each (a 70B
-# layer's W in float64 alone is 1.5 GB, and the error runs in the final refit, beside everything else).
-ERROR_BLOCK = 1024
-
-
-def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY: float) -> float:
-    """``‖Y − W Z̃‖²`` from Gram statistics: ``‖Y‖² − 2⟨W, Y Z̃ᵀ⟩ + ⟨W H, W⟩``, in float64 whatever the precision
-    (a difference of large, nearly equal terms). ``W``, ``Y Z̃ᵀ`` and ``H`` go to float64 a block at a time
-    (``ERROR_BLOCK`` rows of ``W``, as many columns of ``H``): never a float64 copy of a whole matrix."""
-    rows = min(W.shape[0], ERROR_BLOCK)
-    linear = quadratic = 0.0
-    for i in range(0, W.shape[0], rows):
-        Wi = W[i:i + rows].double()
-        linear += float((Wi * YZ[i:i + rows].double()).sum())
-        quadratic += sum(float(((Wi @ H[:, j:j + rows].double()) * Wi[:, j:j + rows]).sum())
-                         for j in range(0, H.shape[1], rows))
-    return float(YY - 2 * linear) + quadratic
-
-
-@contextmanager
-def trainable(params: list[torch.Tensor]):
-    """Gradients for ``params`` inside the block only (the pipeline runs everything else without)."""
-    for p in params:
-        p.requires_grad_(True)
-    try:
-        yield
-    finally:
-        for p in params:
-            p.requires_grad_(False)
-
-
-def _rms(t: torch.Tensor) -> float:
-    return float(t.detach().double().pow(2).mean().sqrt())
-
-
-def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: float,
-         lr_scale: str) -> tuple[list[torch.Tensor], torch.optim.Adam]:
-    """Adam over ``weights`` and the ``biases`` that exist (``biases[i]`` is added after ``weights[i]``), in
-    that order; returns the parameters and the optimiser. With ``lr_scale="rms"`` each tensor's rate is
-    ``lr × RMS(tensor)``; an all-zero bias takes its weight's RMS (and a tensor with nothing to scale by, ``lr``).
-    The fused step (one kernel per tensor) where the device has one: the same update, 13% less time for the Adam
-    steps of a SmolLM2 layer on a CPU than the per-operation step (measured)."""
-    pairs = [*((W, W) for W in weights), *((b, W) for W, b in zip(weights, biases) if b is not None)]
-    params = [p for p, _ in pairs]
-    fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
-    if lr_scale == "absolute":
-        return params, torch.optim.Adam(params, lr=lr, fused=fused)
-    return params, torch.optim.Adam([{"params": [p], "lr": lr * (_rms(p) or _rms(W) or 1.0)} for p, W in pairs], lr=lr,
-                                    fused=fused)
-
-
-def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
-                  steps: int, batch_tokens: int, low: bool = False) -> None:
-    """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
-    (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
-    device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
-    # Every step's mini-batch drawn at once (the same draws as one call per step) and moved in one copy: on a GPU
-    # a copy per step made the host wait for the device at every step (bench/profile_layer.py --device cuda)
-    batches = torch.randint(X.shape[0], (steps, min(batch_tokens, X.shape[0])), generator=gen).to(X.device)
-    for idx in batches:
-        x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # 6x ``T[idx]``'s rate
-        with products(low, device):
-            loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-
-def subsample(X: torch.Tensor, Y: torch.Tensor | None, tokens: int,
-              seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
-    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds (``Y`` may be None)."""
-    N = X.shape[0]
-    if tokens == 0 or tokens >= N:
-        return X, Y
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.sort(torch.randperm(N, generator=gen)[:tokens]).values.to(X.device)
-    return X.index_select(0, idx), None if Y is None else Y.index_select(0, idx)
-
-
-def rounds_sample(X: torch.Tensor, Y: torch.Tensor, YY: float, tokens: int, seed: int, chunk: int,
-                  device) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The update rounds' data: ``subsample`` of ``tokens`` tokens and its ``‖Y‖²`` (``YY`` when it is every token)."""
-    Xr, Yr = subsample(X, Y, tokens, seed)
-    return Xr, Yr, YY if Xr is X else max(sq_norm(Yr, chunk, device), torch.finfo(torch.float64).tiny)
-
-
-def best_round(mlp: MLP, iters: int, step: Callable[[MLP], float], *, start_error: float, exact: bool,
-               full_error: Callable[[MLP], float]) -> tuple[MLP, dict]:
-    """Run ``step`` (one round in place on ``mlp``, returning its relative error on the rounds' data)
-    ``iters`` times and keep the round of lowest error. When the rounds were not ``exact`` (a token
-    sample or bf16 products), ``full_error`` then measures that round on every token at the method's
-    precision (refitting what the rounds fitted), and the start wins if it is no worse: the update never
-    makes a layer worse on its calibration data. The start and the best round wait in host memory: on a GPU
-    the device holds the MLP being trained and its optimiser state, not three copies of it."""
-    device = mlp.W_out.device
-    start = mlp.clone("cpu")
-    best_error, best = (start_error, start) if exact else (float("inf"), start)
-    rounds = []
-    for _ in range(iters):
-        rounds.append(step(mlp))
-        if rounds[-1] < best_error:
-            best_error, best = rounds[-1], mlp.clone("cpu")
-    improved, best = best is not start, best.to(device)
-    final = full_error(best) if improved and not exact else best_error  # full_error refits ``best`` in place
-    if final >= start_error:
-        best, final = start.to(device), start_error
-    return best, {"start": start_error, "rounds": rounds, "final": final}
-
-
-def alternating_update(
-    mlp: MLP,
-    X: torch.Tensor,
-    Y: torch.Tensor,
-    *,
-    start_error: float,
-    YY: float,
-    dtype: torch.dtype,
-    iters: int,
-    adam_steps: int,
-    lr: float,
-    batch_tokens: int,
-    damp: float,
-    chunk: int,
-    seed: int,
-    lr_scale: str = "rms",
-    sketch_tokens: int = 0,
-    low: bool = False,
-    resample: bool = False,
-    rank_tokens: int = 0,
-    refit_low: bool = False,
-) -> tuple[MLP, dict]:
-    """§3.3: alternate Adam on the input projections and the closed-form output projection.
-
-    ``start_error`` is the starting point's relative error (known from the penalty stage's statistics, which
-    the caller may then free) and ``YY`` the ``‖Y‖²`` it is relative to (``LayerProblem.YY``); ``dtype`` is the
-    method's precision, of every Gram sum and solve. Cheap rounds (deviations): each round's closed form and error
-    use ``sketch_tokens`` tokens (``subsample``; 0: all), and with ``low`` the rounds' products are bf16; the best
-    round's output projection is then refitted once on every token at the method's precision (``best_round``). With
-    ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
-    so the output projection does not overfit one sample), and the rounds are ranked by the error of a
-    forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). With ``refit_low`` that
-    final refit's products are bf16 too (``linalg.gram``'s ``low``: ``Z Zᵀ`` stays a float32 product of the rounded
-    ``Z``, summed at the method's precision). Returns the MLP and
-    the relative calibration errors of the start, of every round (on the rounds' data) and of the result.
-    """
-    n, device = mlp.width, mlp.W_out.device
-    sampled = 0 < sketch_tokens < X.shape[0]
-    resampled = resample and sampled
-    # the rounds' one sample, or (resampled) the sample that ranks them
-    Xr, Yr, YYr = rounds_sample(X, Y, YY, (rank_tokens or sketch_tokens) if resampled else sketch_tokens, seed,
-                                chunk, device)
-    # gate/up (fc1) weights and biases; one optimiser for all rounds: its moments carry over
-    W_in, opt = adam(mlp.W_in, mlp.b_in, lr, lr_scale)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float | None, low: bool) -> float:
-        """(2) the output projection on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹; its error relative to ``YY`` (NaN
-        when ``YY`` is None: not needed)."""
-        with torch.no_grad():
-            H, YZ = gram(m, X, chunk, Y, dtype=dtype, low=low)
-            W = ridge(YZ, H, damping(H, n, damp))
-            m.set_out_augmented(W)
-            return float("nan") if YY is None else reconstruction_error(W, H, YZ, YY) / YY
-
-    draws = iter(range(1, iters + 1))
-
-    def one_round(m: MLP) -> float:
-        # (1) the input projections: Adam on ‖Y − W σ(W_in X)‖² with the output projection W fixed
-        adam_steps_on(m, X, Y, opt, gen, adam_steps, batch_tokens, low)
-        if not resampled:
-            return closed_form(m, Xr, Yr, YYr, low)
-        Xs, Ys = subsample(X, Y, sketch_tokens, seed + next(draws))
-        closed_form(m, Xs, Ys, None, low)
-        with products(low, device):
-            return calibration_error(m, Xr, Yr, chunk) / YYr
-
-    def final_refit(m: MLP) -> float:
-        # Adam's moments and the last gradients are done with: freed, the refit's Gram pass and solve have their
-        # room (on 8B shapes the refit was the prune's device peak while they lived: bench/memory_peak.py)
-        opt.state.clear()
-        for p in W_in:
-            p.grad = None
-        return closed_form(m, X, Y, YY, refit_low)
-
-    with trainable(W_in):
-        return best_round(mlp, iters, one_round, start_error=start_error, exact=not sampled and not low,
-                          full_error=final_refit)
-
-
-def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
-    """``δ`` on every diagonal entry, ``δ = damp · mean(diag(Z Zᵀ))`` (the bias row excluded): the units of
-    the penalty stage."""
-    return torch.full((H.shape[0],), damp * mean_diag(H[:n, :n]), dtype=H.dtype, device=H.device)
-
+from .penalty import penalty_method, with_bias
 
 # what only the penalty method reads (``t`` also ranks channels for a non-uniform allocation), and what only
 # the update's rounds read
@@ -705,36 +416,6 @@ class SPAPNoUpdate(SPAP):
     update: str = hp("ls", choices=UPDATES)
 
 
-@torch.no_grad()
-def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
-    """``‖Y − mlp(X)‖²`` a chunk of tokens at a time on the MLP's device."""
-    device = mlp.W_out.device
-    return sum(float(energies(mlp(rows(X, s, s + chunk, device).float()) - rows(Y, s, s + chunk, device).float()).sum())
-               for s in range(0, X.shape[0], chunk))
-
-
-def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, *, YY: float, rounds: int, steps: int, lr: float,
-                    batch_tokens: int, chunk: int, seed: int, lr_scale: str = "rms", sketch_tokens: int = 0,
-                    low: bool = False) -> tuple[MLP, dict]:
-    """Adam on every projection of the MLP (inputs and output) for ``rounds × steps`` steps, checking
-    the calibration error every ``steps`` steps (on the same token sample and in the same precision as
-    ``alternating_update``'s rounds; errors relative to ``YY = ‖Y‖²``) and returning the best iterate
-    (``best_round``)."""
-    device = mlp.W_out.device
-    Xr, Yr, YYr = rounds_sample(X, Y, YY, sketch_tokens, seed, chunk, device)
-    params, opt = adam([*mlp.W_in, mlp.W_out], [*mlp.b_in, mlp.b_out], lr, lr_scale)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def one_round(m: MLP) -> float:
-        adam_steps_on(m, X, Y, opt, gen, steps, batch_tokens, low)
-        with products(low, device):
-            return calibration_error(m, Xr, Yr, chunk) / YYr
-
-    with trainable(params):
-        return best_round(mlp, rounds, one_round, start_error=calibration_error(mlp, X, Y, chunk) / YY,
-                          exact=Xr is X and not low, full_error=lambda m: calibration_error(m, X, Y, chunk) / YY)
-
-
 @register
 @dataclass
 class SPAPGD(SPAP):
@@ -745,3 +426,4 @@ class SPAPGD(SPAP):
     name = "spap_gd"
     ablation_of = "spap"
     update: str = hp("gd", choices=UPDATES)
+
