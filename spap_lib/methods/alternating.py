@@ -1,5 +1,5 @@
-"""The update's rounds (SPAP §3.3) and the gradient-descent ablation, with what they share: Adam on rescaled
-rates, token samples, and keeping the best round.
+"""The update's rounds (SPAP §3.3) and the gradient-descent ablation, with what they share: Adam with a rate per
+tensor, token samples, and keeping the best round.
 
 ``alternating_update`` alternates Adam on the input projections (gate/up, or fc1) with the closed-form output
 projection ``W = Y Z̃ᵀ(Z̃ Z̃ᵀ + δI)⁻¹``; ``gradient_update`` runs Adam on every projection (the paper's
