@@ -58,8 +58,11 @@ def render_ablation(csv: str) -> str:
     wide.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
                             for s, w in zip(wide.pop("eval_seqlen"), wide.pop("eval_windows"))])
     wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
-    wide = wide.rename(columns={"0%": "dense"}).astype(object)
-    return wide.where(wide.notna(), "").to_markdown(index=False)
+    wide = wide.rename(columns={"0%": "dense"})
+    for c in wide.columns[4:]:  # every perplexity with two decimals (32.90, not 32.9)
+        wide[c] = ["" if pd.isna(v) else f"{v:.2f}" for v in wide[c]]
+    align = ("left",) * 4 + ("right",) * (len(wide.columns) - 4)
+    return wide.to_markdown(index=False, disable_numparse=True, colalign=align)
 
 
 def render_table5(csv: str) -> str:
