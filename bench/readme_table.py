@@ -59,9 +59,10 @@ def render_ablation(csv: str) -> str:
                             for s, w in zip(wide.pop("eval_seqlen"), wide.pop("eval_windows"))])
     wide.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in wide.columns]
     wide = wide.rename(columns={"0%": "dense"})
-    for c in wide.columns[4:]:  # every perplexity with two decimals (32.90, not 32.9)
+    keys = wide.columns.get_loc("label") + 1  # model, calib, eval, label; then a perplexity per sparsity
+    for c in wide.columns[keys:]:  # every perplexity with two decimals (32.90, not 32.9)
         wide[c] = ["" if pd.isna(v) else f"{v:.2f}" for v in wide[c]]
-    align = ("left",) * 4 + ("right",) * (len(wide.columns) - 4)
+    align = ("left",) * keys + ("right",) * (len(wide.columns) - keys)
     return wide.to_markdown(index=False, disable_numparse=True, colalign=align)
 
 
