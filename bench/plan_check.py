@@ -24,7 +24,7 @@ import pandas as pd
 
 import spap_lib as sl
 from spap_lib.data import Calibration
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.plan import plan
 
 
@@ -62,16 +62,18 @@ def main(argv=None) -> None:
                "resident before GB": round(mem["rss_before_mb"] / 1024, 3),
                "predicted weights GB": p.memory_gb["weights"],
                "predicted prune s": round(p.prune_seconds),
-               "measured prune s": round(report["seconds"]), "command": command, "revision": git_revision(),
+               "measured prune s": round(report["seconds"]), "device": device_name("cpu"), "command": command,
+               "revision": git_revision(),
                "note": args.note}
         table = pd.concat([table, pd.DataFrame([row])], ignore_index=True)
         write_csv_atomic(out, table)
         print(row, flush=True)
     write_text_atomic(out.with_suffix(".md"), (
-        "# The plan against measured prunes (this 2-core CPU, float32)\n\nEach row names its command and revision "
-        "(the first row's were not recorded).  \nWorking memory = peak resident set during the prune minus the "
+        "# The plan against measured prunes (2-core CPUs, float32)\n\nEach row names its device, command and revision "
+        "(where they were recorded).  \nWorking memory = peak resident set during the prune minus the "
         "resident set before it (weights, Python and libraries); predicted = the plan's peak minus weights and "
-        "evaluation logits. Prune time: the plan's compute-only estimate from this machine's measured rates.\n\n"
+        "evaluation logits. Prune time: the plan's compute-only estimate from the measured rates of the machine it "
+        "ran on.\n\n"
         + table.to_markdown(index=False) + "\n"))
 
 
