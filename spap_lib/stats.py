@@ -58,9 +58,10 @@ class ChannelStats:
         z_sq = torch.zeros(n, dtype=torch.float64, device=device)
         with torch.no_grad():
             for start in range(0, X.shape[0], chunk):  # X may wait in host memory (``linalg.rows``)
+                # one float64 copy of the chunk, squared in place: the same sums as squaring a second copy
                 Z = mlp.hidden(rows(X, start, start + chunk, device).float()).double()
                 z_sum += Z.sum(0)
-                z_sq += Z.pow(2).sum(0)
+                z_sq += Z.pow_(2).sum(0)
         return cls(X.shape[0], z_sum, z_sq)
 
 
