@@ -190,7 +190,9 @@ def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torc
     Y = like(X, (X.shape[0], mlp.W_out.shape[0]))
     for start in range(0, X.shape[0], chunk):
         Z = mlp.hidden(rows(X, start, start + chunk, device).float())
-        Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out)
+        # rounded to Y's dtype where it is computed: a float32 chunk bound for host memory would cross the link
+        # at twice the bytes and be converted there
+        Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out).to(Y.dtype)
         add_gram(H, augment(Z, bias))
     return mirror(H), Y
 
@@ -199,7 +201,7 @@ def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
     """``mlp(X)`` in ``X``'s dtype, where ``X`` waits, a chunk at a time on the MLP's device."""
     Y = like(X, (X.shape[0], mlp.W_out.shape[0]))
     for start in range(0, X.shape[0], chunk):
-        Y[start:start + chunk] = mlp(rows(X, start, start + chunk, mlp.W_out.device).float())
+        Y[start:start + chunk] = mlp(rows(X, start, start + chunk, mlp.W_out.device).float()).to(Y.dtype)
     return Y
 
 

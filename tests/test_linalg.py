@@ -304,6 +304,18 @@ def test_dense_pass_with_targets_equals_the_two_passes():
     assert torch.equal(first_y.Y, two.Y) and torch.equal(first_y.H, two.H)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_targets_wait_in_the_inputs_dtype_as_the_float32_output_rounded(dtype):
+    """The targets ``Y`` take ``X``'s dtype and place (host memory when offloaded): each chunk's float32 output
+    rounded once, the same numbers from the Gram pass and from the outputs alone."""
+    pruned, X, _ = _update_problem()
+    X = X.to(dtype)
+    H, Y = linalg.gram_and_outputs(pruned, X, chunk=X.shape[0])
+    assert Y.dtype == dtype and torch.equal(Y, pruned(X.float()).to(dtype))
+    assert torch.equal(Y, linalg.outputs(pruned, X, chunk=X.shape[0]))
+    assert torch.equal(linalg.outputs(pruned, X, chunk=700), linalg.gram_and_outputs(pruned, X, chunk=700)[1])
+
+
 def test_passes_without_gradients_compute_the_same_activations_in_less_memory():
     """``MLP.hidden`` without gradients multiplies the up projection in place: bit for bit the product autograd
     sees, in bf16 products too."""
