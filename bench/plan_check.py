@@ -69,7 +69,7 @@ def main(argv=None) -> None:
         write_csv_atomic(out, table)
         print(row, flush=True)
     write_text_atomic(out.with_suffix(".md"), (
-        "# The plan against measured prunes (2-core CPUs, float32)\n\nEach row names its device, command and revision "
+        "# The plan against measured prunes (on the CPU, float32)\n\nEach row names its device, command and revision "
         "(where they were recorded).  \nWorking memory = peak resident set during the prune minus the "
         "resident set before it (weights, Python and libraries); predicted = the plan's peak minus weights and "
         "evaluation logits. Prune time: the plan's compute-only estimate from the measured rates of the machine it "
