@@ -109,16 +109,17 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
 
 
 def _drawn(pruned: pd.DataFrame) -> set[str]:
-    """The lines of one Figure 2 panel: every method at its own parts (its bare name, or where the panel has none,
-    its most-measured label; ablations are Table 5's), and each label that is the best composition with SPAP's
-    alternating update in one of the panel's cells."""
+    """The lines of one Figure 2 panel: every method at its own parts (its most-measured label, the bare name on a
+    tie, so that a bare row at one sparsity does not replace a sweep; ablations are Table 5's), and each label that
+    is the best composition with SPAP's alternating update in one of the panel's cells."""
     from .methods import METHODS
     from .methods.base import parse_label
 
     drawn = set()
     for method, own in pruned.groupby(pruned["label"].map(lambda lab: parse_label(lab)[0]), sort=False):
         if method in METHODS and not METHODS[method].ablation_of:
-            drawn.add(method if method in set(own["label"]) else own["label"].value_counts().idxmax())
+            counts = own["label"].value_counts()
+            drawn.add(max(counts.index, key=lambda label: (counts[label], label == method)))
     alternating = pruned[_part_of(pruned, "update") == "alternating"]
     if len(alternating):
         drawn |= set(alternating.loc[alternating.groupby("sparsity")["ppl"].idxmin(), "label"])

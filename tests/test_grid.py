@@ -100,18 +100,20 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
 
 
 def test_figure2_draws_each_method_at_its_own_parts_and_the_best_compositions(tmp_path):
-    """The lines: the methods' own rows (the most-measured label where a method has no bare one), and every label
-    that is the best with SPAP's alternating update in a cell; ablations and other compositions stay out."""
+    """The lines: the methods' own rows (the most-measured label, the bare one on a tie: a bare row at one sparsity
+    does not replace a sweep), and every label that is the best with SPAP's alternating update in a cell;
+    ablations and other compositions stay out."""
     ppl = {"fasp": 30.0, "spap_no_update": 29.0, "flap/bias=false": 31.0, "spap": 25.0, "spap/lr=0.01": 26.0,
-           "spap/select=act_norm": 24.0}
+           "spap/select=act_norm": 24.0, "cfsp": 32.0, "cfsp/allocation=uniform": 33.0}
+    cells = {"spap/select=act_norm": (0.1,), "cfsp": (0.3,)}
     rows = [{"model": "m", "label": label, "method": label.split("/")[0], "sparsity": s, "eval_seqlen": 512,
              "eval_windows": 40, "nsamples": 32, "seqlen": 512, "ppl": p * (1 + s)}
-            for label, p in ppl.items() for s in ((0.1,) if label == "spap/select=act_norm" else (0.1, 0.2))]
+            for label, p in ppl.items() for s in cells.get(label, (0.1, 0.2))]
     csv = tmp_path / "r.csv"
     pd.DataFrame(rows).to_csv(csv, index=False)
     fig = figure2(csv, tmp_path / "fig.png")
     assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == \
-        ["fasp", "flap/bias=false", "spap", "spap/select=act_norm"]
+        ["cfsp/allocation=uniform", "fasp", "flap/bias=false", "spap", "spap/select=act_norm"]
 
 
 def test_table5_lists_the_ablated_cells_with_their_increase_over_dense(tmp_path):
