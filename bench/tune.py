@@ -11,6 +11,7 @@ closed-form steps can overfit a small calibration set, which the fit error would
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from contextlib import ExitStack
@@ -21,6 +22,7 @@ import torch
 from offload import random_calibration, random_checkpoint
 
 import spap_lib as sl
+from spap_lib import bf16
 from spap_lib.capture import capture_inputs
 from spap_lib.checks import scalar
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
@@ -93,6 +95,9 @@ def main(argv=None) -> None:
                          "is the base point with these overrides; 'method' names another registered method)")
     ap.add_argument("--held", type=int, default=None, help="held-out windows (default nsamples // 4, at least 4); "
                     "the same count and seqlen give the same windows, so runs at two budgets compare")
+    ap.add_argument("--bf16-products", default="",
+                    help="kernels of the bf16 products, e.g. 'native,rounded' (SPAP_BF16_PRODUCTS): every setting runs "
+                         "under each, side by side")
     ap.add_argument("--repeat", type=int, default=1, help="time every setting on every layer this many times, "
                     "interleaved; a layer's time is the median")
     device_arguments(ap)
@@ -146,6 +151,9 @@ def main(argv=None) -> None:
         point = scalar_point(hp["point"]) if stage == "points" else {}
         chosen = {k: v for k, v in hp.items() if k in overrides or k == varied or k in point or base.get(k) != v}
         methods.append((hp, stage, varied, sl.get_method(name, **{k: v for k, v in chosen.items() if k in known})))
+    if args.bf16_products:  # each setting once per kernel choice, labelled with it
+        methods = [({**hp, "bf16_products": k, varied: f"{hp[varied]} [{k}]"}, stage, varied, method)
+                   for hp, stage, varied, method in methods for k in args.bf16_products.split(",")]
     # Every setting on a layer before the next layer, ``--repeat`` times over: a CPU's speed drifts over minutes,
     # so the settings compared share each stretch of it; a setting's time on a layer is the median of its runs.
     times: dict = {}
@@ -154,6 +162,8 @@ def main(argv=None) -> None:
         for i in layers:
             dense = loaded.adapter.get_mlp(loaded.adapter.layers()[i])
             for j, (hp, stage, varied, method) in enumerate(methods):
+                if "bf16_products" in hp:
+                    os.environ["SPAP_BF16_PRODUCTS"] = hp["bf16_products"]
                 synchronize(device)  # CUDA runs ahead of the host: time the work, not its launch
                 t0 = time.perf_counter()
                 res = method.prune(LayerProblem.of(method, dense, X_fit[i], plan.n_remove, seed=0, layer_index=i))
@@ -175,13 +185,16 @@ def main(argv=None) -> None:
     frame = pd.DataFrame(rows)
     write_csv_atomic(args.out, frame)
     summary = frame.groupby(["stage", "varied", "value"], sort=False)[["heldout_rel_error", "seconds"]].mean()
-    if args.points and "method=fasp" in args.points.split(";"):  # time as a multiple of FASP's, same run
-        summary["seconds / fasp"] = summary["seconds"] / summary.loc[("points", "point", "method=fasp"), "seconds"]
+    fasp = [v for v in frame["value"].unique() if str(v).split(" [")[0] == "method=fasp"] if args.points else []
+    if fasp:  # time as a multiple of FASP's, same run (its first kernel choice: FASP takes no bf16 products)
+        summary["seconds / fasp"] = summary["seconds"] / summary.loc[("points", "point", fasp[0]), "seconds"]
     command = " ".join(["python", "bench/tune.py", *(sys.argv[1:] if argv is None else argv)])
+    units = f"; bf16 units: {'yes' if bf16.has_bf16_units() else 'none'}" if args.bf16_products else ""
     runs = f" (the median of {args.repeat} runs, the settings interleaved layer by layer)" if args.repeat > 1 else ""
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# SPAP hyperparameter sweep\n\nCommand: `{command}`  \ngit: {git_revision()}  \n"
-        f"Device: {device_name(device)}{RANDOM_NOTE if args.random else ''}.  \n"
+        f"Device: {device_name(device)}{RANDOM_NOTE if args.random else ''}"
+        f"{units}.  \n"
         f"Base point: `{base}`; layers {layers}; fit {fit.describe()}; held-out {held.describe()}.\n"
         f"Mean over layers of the held-out relative error (lower is better) and seconds per layer{runs}:\n\n"
         f"{summary.to_markdown()}\n"))

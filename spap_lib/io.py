@@ -342,15 +342,18 @@ def device_name(device) -> str:
 
 
 def manifest(**fields) -> dict:
-    """Versions, git revision, host and time, plus whatever the run adds (parameters, seed, …)."""
+    """Versions, git revision, host and time, plus whatever the run adds (parameters, seed, …); the host's CPU with
+    the kernels its bf16 products run on (``bf16.kernels``)."""
     import torch
+
+    from . import bf16
 
     return {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git_revision": git_revision(),
         "versions": versions(),
         "host": {"machine": platform.machine(), "cpu": cpu_name(), "cuda": torch.cuda.is_available(),
-                 "threads": torch.get_num_threads()},
+                 "threads": torch.get_num_threads(), "bf16_products": bf16.kernels("cpu")},
         **fields,
     }
 

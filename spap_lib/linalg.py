@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import bf16
 from .errors import NumericalError
 
 
@@ -54,12 +55,13 @@ def check_finite(H: torch.Tensor, what: str) -> None:
 def products(low: bool, device: torch.device):
     """Matrix products of the block with bfloat16 inputs when ``low`` (``torch.autocast``; the kernels
     accumulate in float32), else as they are. bf16 products run 4-5x the float32 rate on a CPU with
-    AVX512-BF16 (bench/results/throughput) and 2x TF32's on an H100; used where an approximate
-    product is later corrected (the update's intermediate rounds), never for a final fit."""
+    AVX512-BF16 (bench/results/throughput) and 2x TF32's on an H100; on a CPU without bf16 units the same
+    products come from the float32 kernels (``bf16.autocast``). Used where an approximate product is later
+    corrected (the update's intermediate rounds), never for a final fit."""
     if not low:
         yield
         return
-    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
+    with bf16.autocast(device):  # on a CPU without bf16 units, the float32 kernels on rounded operands
         yield
 
 
@@ -69,8 +71,10 @@ def exact_bf16_products(on: bool, device: torch.device):
     bf16 units, with float32 sums and outputs (oneDNN's bf16 math mode; CUDA's TF32 products already take bf16
     values exactly). A product of two bf16 values is exact in float32, so the result is the float32 product up to
     the order of its sums, at 2x its rate on a CPU with AVX512-BF16 (``Z Zᵀ`` at n = 1,126 over 16,384 tokens,
-    measured). Where an operand is not a bf16 value it is rounded to one: use only on rounded operands."""
-    if not on or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+    measured). Where an operand is not a bf16 value it is rounded to one: use only on rounded operands. Off where
+    the CPU has no bf16 units (``bf16.rounded``): oneDNN's bf16 mode there is slower than the float32 kernels, whose
+    products of these operands are the same numbers."""
+    if not on or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available() or bf16.rounded(device):
         yield
         return
     old = torch.backends.mkldnn.matmul.fp32_precision

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from . import bf16
 from .adapters import get_adapter
 from .checks import ParameterError, Spec, check_values
 from .evaluate import LOSS_CHUNK
@@ -323,8 +324,11 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     # Both are fitted to measured layers (bench/plan_times.py); a CPU reaches its measured rates.
     achieved, step = row.get("achieved", {}), row.get("step_seconds", 0.0)
     model_rate = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
+    # bf16 products on a CPU row run at this machine's kernels' rate: the float32 rate where its CPU has no bf16
+    # units (``bf16.rounded``), the row's bf16 rate where it has
+    bf16_rate = "matmul_fp32" if not gpu and bf16.rounded("cpu") else "matmul_bf16"
     keys = {"fp32": "matmul_tf32" if precision == "tf32" and "matmul_tf32" in rates else "matmul_fp32",
-            "bf16": "matmul_bf16", "solve": "cholesky_fp64" if p == 8 else "cholesky_fp32"}
+            "bf16": bf16_rate, "solve": "cholesky_fp64" if p == 8 else "cholesky_fp32"}
 
     def stage(work: dict[str, float]) -> float:  # one layer
         return sum(amount * step if r == "steps" else amount / (rates[keys[r]] * achieved.get(keys[r], 1.0))
@@ -339,7 +343,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     allocating = algo.allocation != "uniform" and algo.propagates
     passes = (2 if algo.propagates else 1) + (algo.allocation_tokens(N) / N if allocating else 0)
     work = attention + mlp * (n_keep / n if algo.propagates else 1)
-    dense_rate = rates["matmul_bf16"] if algo.allocation_precision == "bf16" else model_rate
+    dense_rate = rates[bf16_rate] if algo.allocation_precision == "bf16" else model_rate
     dense_pass = (attention + mlp) * (passes - 2) / dense_rate if algo.propagates else 0.0
     batches = -(-N // (seqlen * batch_size))
     seconds = {"calibration forward passes": L * (work / model_rate + dense_pass + passes * batches * step)}

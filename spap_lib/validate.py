@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import io, resume
+from . import bf16, io, resume
 from .adapters import get_adapter
 from .checkpoint import protected
 from .checks import Spec, check_sparsity, check_values, fits_context
@@ -97,6 +97,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                  ("overwrite", overwrite, Spec(bool)),
                  ("hparams", hparams, Spec(dict, optional=True)))
     check_offload(offload)
+    bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
     algo = get_method(method, **(hparams or {})) if method is not None else None
     pick_device(device)
     spill_root = _existing(Path(spill_dir) if spill_dir else Path(tempfile.gettempdir()))

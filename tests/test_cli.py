@@ -52,6 +52,14 @@ def test_bad_input_is_one_clear_line(checkpoint, tmp_path, capsys, args, message
     assert not (tmp_path / "o").exists()
 
 
+def test_a_bad_bf16_kernel_choice_is_one_clear_line_before_any_work(checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "fast")
+    assert main(["prune", str(checkpoint), "--out", str(tmp_path / "o"), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert "SPAP_BF16_PRODUCTS='fast': choose one of auto, native, rounded" in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_plan_prints_the_table_for_any_target(capsys):
     assert main(["plan", "llama-3.1-8b", "--device", "rtx4090"]) == 0
     table = capsys.readouterr().out

@@ -552,12 +552,16 @@ def test_gram_blocks_sum_what_the_whole_product_does():
         assert torch.allclose(H.double(), whole, rtol=tol, atol=tol * float(whole.abs().max()))
 
 
-def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode():
+def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode(monkeypatch):
     """``exact_bf16_products``: a Gram pass over bf16 values is their float32 Gram matrix (products of bf16 values
     are exact; only the sums' order may differ), and the process's float32 product mode is restored, on an error
-    too."""
+    too. With the rounded kernels (a CPU without bf16 units) the mode is never touched."""
     from spap_lib.linalg import add_gram, exact_bf16_products, mirror
 
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "rounded")
+    with exact_bf16_products(True, "cpu"):
+        assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "native")
     Z = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)).bfloat16().float()
     H, mode = torch.zeros(40, 40), torch.backends.mkldnn.matmul.fp32_precision
     with exact_bf16_products(True, "cpu"):
@@ -572,3 +576,80 @@ def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode():
     assert torch.backends.mkldnn.matmul.fp32_precision == mode
     with exact_bf16_products(False, "cpu"):  # off: nothing changes
         assert torch.backends.mkldnn.matmul.fp32_precision == mode
+
+
+def _bf16_step(kernels: str, monkeypatch, bias: bool):
+    """One forward and backward of a small GLU MLP under ``products`` with the given bf16 kernels; with how many
+    linear layers the rounded float32 kernels computed."""
+    from spap_lib import bf16
+    from spap_lib.linalg import products
+
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", kernels)
+    calls, apply = [], bf16._Linear.apply
+    monkeypatch.setattr(bf16._Linear, "apply", lambda *a: calls.append(1) or apply(*a))
+    g = torch.Generator().manual_seed(0)
+    X, Y = torch.randn(512, 48, generator=g), torch.randn(512, 48, generator=g)
+    Ws = [(torch.randn(96, 48, generator=g) / 7).requires_grad_() for _ in range(2)]
+    Wo = (torch.randn(48, 96, generator=g) / 10).requires_grad_()
+    bo = (torch.randn(48, generator=g) / 10).requires_grad_() if bias else None
+    with products(True, "cpu"):
+        Z = torch.nn.functional.silu(torch.nn.functional.linear(X, Ws[0])) * torch.nn.functional.linear(X, Ws[1])
+        out = torch.nn.functional.linear(Z, Wo, bias=bo)
+        YZ = Y.T @ Z.detach().float()  # a product needing no gradient
+        loss = torch.nn.functional.mse_loss(out.float(), Y)
+    loss.backward()
+    return out.detach(), YZ, [W.grad for W in (*Ws, Wo, *([bo] if bias else []))], len(calls)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_rounded_bf16_kernels_give_autocasts_products(monkeypatch, bias):
+    """``bf16.autocast`` on a CPU without bf16 units: the float32 kernels on operands rounded to bf16 give autocast's
+    bf16 products (the same dtypes; every value the same but where the sums' order rounds it to the next bf16 value:
+    a handful in the forward, more in gradients, which carry those through the backward), and the gradients reach
+    float32 weights in float32. Without rounding the operands, a quarter of the outputs differ."""
+    from spap_lib.linalg import products
+
+    native, YZ_native, grads_native, native_calls = _bf16_step("native", monkeypatch, bias)
+    rounded, YZ_rounded, grads_rounded, rounded_calls = _bf16_step("rounded", monkeypatch, bias)
+    assert (native_calls, rounded_calls) == (0, 3)
+    assert rounded.dtype == native.dtype == YZ_rounded.dtype == YZ_native.dtype == torch.bfloat16
+
+    def differ(a, b):
+        return float((a.float() != b.float()).float().mean())
+
+    ulp = 2.0 ** -7  # a bf16 value's relative spacing
+    assert differ(rounded, native) < 0.01 and differ(YZ_rounded, YZ_native) < 0.01
+    assert torch.allclose(rounded.float(), native.float(), rtol=ulp, atol=ulp * float(native.float().abs().max()))
+    for a, b in zip(grads_rounded, grads_native):
+        assert a.dtype == torch.float32 and differ(a, b) < 0.1
+        assert torch.allclose(a, b, rtol=0.05, atol=0.05 * float(b.abs().max()))
+        assert torch.equal(a, a.bfloat16().float())  # rounded to bf16, as autocast's are
+    X = torch.randn(512, 48, generator=torch.Generator().manual_seed(0))
+    W = torch.randn(96, 48, generator=torch.Generator().manual_seed(1))
+    with products(True, "cpu"):
+        bf16_products = torch.nn.functional.linear(X, W)
+    assert differ(torch.nn.functional.linear(X, W).bfloat16(), bf16_products) > 0.2  # float32 operands, unrounded
+
+
+def test_rounded_bf16_kernels_keep_float64_and_autocast_off_regions_and_refuse_a_bad_choice(monkeypatch):
+    """Where autocast casts nothing (float64 operands, or a region that turns autocast off, as transformers' rotary
+    frequencies do) the rounded kernels round nothing either; a wrong ``SPAP_BF16_PRODUCTS`` names the choices."""
+    from spap_lib import bf16
+    from spap_lib.errors import ParameterError
+    from spap_lib.linalg import products
+
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "rounded")
+    A = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    B = A.float()
+    with products(True, "cpu"):
+        doubles = torch.nn.functional.linear(A, A), A @ A
+        with torch.autocast("cpu", enabled=False):
+            floats = torch.nn.functional.linear(B, B), B @ B
+    assert torch.equal(doubles[0], torch.nn.functional.linear(A, A)) and torch.equal(doubles[1], A @ A)
+    assert torch.equal(floats[0], torch.nn.functional.linear(B, B)) and torch.equal(floats[1], B @ B)
+    assert bf16.kernels("cpu") == "rounded" and bf16.kernels("meta") == "native"
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "native")
+    assert bf16.kernels("cpu") == "native"
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "fast")
+    with pytest.raises(ParameterError, match="auto, native, rounded"):
+        bf16.kernels("cpu")

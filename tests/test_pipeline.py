@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
+from spap_lib import bf16
 from spap_lib.capture import first_layer_inputs, replay
 from spap_lib.data import Calibration
 from spap_lib.io import MANIFEST
@@ -104,6 +105,7 @@ def test_prune_save_and_stock_reload(loaded, windows, tiny_tokenizer, tmp_path):
     assert manifest["method"] == "spap" and manifest["sparsity"]["requested"] == 0.3
     assert manifest["versions"]["torch"] and "git_revision" in manifest
     assert manifest["host"]["cpu"]  # the processor: CPU kernels, and a CPU run's last digits, differ between them
+    assert manifest["host"]["bf16_products"] == bf16.kernels("cpu")  # which kernels the bf16 products took
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dirs left
     kept = json.loads((out / "spap_plan.json").read_text())["kept_channels"]
     assert len(kept) == len(loaded.adapter.layers()) and all(len(k) == width for k in kept)

@@ -253,6 +253,24 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     assert "Adam steps" in stages and "Adam steps" not in sl.get_method("spap_no_update").cost(s)
 
 
+def test_a_cpu_without_bf16_units_is_planned_at_its_float32_rate(monkeypatch):
+    """Where the bf16 products take the float32 kernels (``bf16.rounded``), the plan prices their work at the CPU row's
+    float32 rate: SPAP's Adam steps (bf16 products) cost the row's bf16/float32 ratio more, and its solves the same;
+    a GPU row keeps its bf16 rate."""
+    from spap_lib.plan import THROUGHPUT
+
+    def seconds(kernels, device="cpu-2core"):
+        monkeypatch.setenv("SPAP_BF16_PRODUCTS", kernels)
+        return plan("smollm2-135m", method="spap", nsamples=32, seqlen=512, device=device).seconds
+
+    native, rounded = seconds("native"), seconds("rounded")
+    rates = THROUGHPUT["cpu-2core"]["flops_per_second"]
+    assert rounded["Adam steps"] == pytest.approx(native["Adam steps"] * rates["matmul_bf16"] / rates["matmul_fp32"],
+                                                  rel=0.02)  # the steps' few sequential costs aside
+    assert rounded["penalty / refit solves"] == native["penalty / refit solves"]
+    assert seconds("rounded", "h100")["Adam steps"] == seconds("native", "h100")["Adam steps"]
+
+
 def test_the_plans_times_hold_against_every_measured_layer():
     """bench/results/measured_layer_times.csv: every measured layer time (GPU and CPU, whole prunes and the method
     alone) is within ±30% of the plan's; a change to a method's declared cost or to throughput.json that breaks
@@ -279,10 +297,12 @@ def test_offloading_from_a_gpu_costs_onloads_and_copies():
     assert not {"onloading and hidden states", "X and Y streamed to the device"} & set(on_cpu.seconds)
 
 
-def test_a_composition_label_runs_through_the_run_check_and_the_plan():
+def test_a_composition_label_runs_through_the_run_check_and_the_plan(monkeypatch):
     """``spap/select=...,allocation=...,update=...`` is one method argument for 02, the CLI and the plan: its
     parts are printed, a non-uniform allocation says what loading costs, and each part's work is priced."""
     import spap_lib as sl
+
+    monkeypatch.setenv("SPAP_BF16_PRODUCTS", "native")  # the CPU row's bf16 rate, whatever this CPU has
 
     job = sl.check_run("smollm2-135m", method="spap/select=act_norm,allocation=error", sparsity=0.2, nsamples=8,
                        seqlen=256, eval_seqlen=128, eval_windows=4, device="cpu")
