@@ -558,12 +558,12 @@ def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode(monk
     too. With the rounded kernels (a CPU without bf16 units) the mode is never touched."""
     from spap_lib.linalg import add_gram, exact_bf16_products, mirror
 
+    H, mode = torch.zeros(40, 40), torch.backends.mkldnn.matmul.fp32_precision
     monkeypatch.setenv("SPAP_BF16_PRODUCTS", "rounded")
     with exact_bf16_products(True, "cpu"):
-        assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+        assert torch.backends.mkldnn.matmul.fp32_precision == mode != "bf16"
     monkeypatch.setenv("SPAP_BF16_PRODUCTS", "native")
     Z = torch.randn(300, 40, generator=torch.Generator().manual_seed(0)).bfloat16().float()
-    H, mode = torch.zeros(40, 40), torch.backends.mkldnn.matmul.fp32_precision
     with exact_bf16_products(True, "cpu"):
         assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
         add_gram(H, Z)
