@@ -37,9 +37,7 @@ TOLERANCE = 0.30  # predicted within ±30% of measured
 
 
 def predicted(row) -> float:
-    """The plan's seconds per layer for what the row timed. The CPU rows, and the ``cpu-2core`` rates, were measured
-    on CPUs with bf16 units: priced with those kernels (``SPAP_BF16_PRODUCTS=native``) on any machine."""
-    os.environ["SPAP_BF16_PRODUCTS"] = "native"
+    """The plan's seconds per layer for what the row timed."""
     p = plan(row.model, method=row.method, hparams=json.loads(row.hparams), nsamples=int(row.nsamples),
              seqlen=int(row.seqlen), eval_seqlen=int(row.seqlen), device=row.device, offload=row.offload)
     seconds = p.prune_seconds if row.scope == "prune" else sum(p.seconds[k] for k in p.method_stages)
@@ -105,6 +103,9 @@ def main(argv=None) -> None:
     ap.add_argument("--check", action="store_true", help=f"exit 1 if a row is outside ±{TOLERANCE:.0%}")
     ap.add_argument("--fit", metavar="DEVICE", help="fit DEVICE's pipeline terms to its measured rows")
     args = ap.parse_args(argv)
+    # The CPU rows, and the cpu-2core rates, were measured on CPUs with bf16 units: priced with those kernels on any
+    # machine (the plan reads the machine's own otherwise, ``bf16.rounded``)
+    os.environ["SPAP_BF16_PRODUCTS"] = "native"
     if args.fit:
         best, left_out = fit(pd.read_csv(MEASURED, keep_default_na=False), args.fit)
         print(f"{args.fit}: {best}; each row left out of the fit: predicted / measured "

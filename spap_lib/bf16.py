@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import platform
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -36,6 +37,7 @@ def policy() -> str:
     return value
 
 
+@cache  # the hardware's: asked at every bf16 product block
 def has_bf16_units() -> bool:
     """Whether this CPU multiplies bf16 in hardware: AVX512-BF16 or AMX on x86; assumed on other architectures,
     where autocast's kernels are kept (not measured there)."""
