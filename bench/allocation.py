@@ -1,10 +1,16 @@
-"""What the error allocation's dense pass costs, stage by stage, and the curves' refits two ways side by side.
+"""What the error allocation's dense pass costs, stage by stage, and its curves taken three ways side by side.
 
 One pass through the dense layers, as ``pipeline.dense_stats`` makes it for ``allocation="error"``: each layer's
-replay, its channel statistics, and its error curve (``SPAP.error_curve``). The curve runs twice on the same layer,
-in alternating order: with the refits of every curve point from one factorisation (``linalg.nested_lstsq_errors``,
-the library's) and with one solve and one Gram-statistics error per point (``per_set_errors`` below). The per-layer
-widths that each set of curves gives at every sparsity are compared. Writes a CSV and its Markdown twin.
+replay, then its channel statistics and its error curve (``SPAP.error_curve``), taken three ways on the same layer in
+rotating order:
+
+* "one pass" (the library's): the curve's Gram pass sums the channel statistics from its own ``Z``;
+* "nested": a pass of their own for the statistics (``ChannelStats.of``), then the curve given them;
+* "per set": the same statistics, and one solve and one Gram-statistics error per curve point (``per_set_errors``
+  below) instead of every point's refit from one factorisation (``linalg.nested_lstsq_errors``).
+
+The statistics and curves of the first two must be equal; the per-layer widths that each set of curves gives at every
+sparsity are compared. Writes a CSV and its Markdown twin.
 
     python bench/allocation.py --model smollm2-135m --nsamples 32 --seqlen 512
 """
@@ -37,14 +43,16 @@ def per_set_errors(WH, H, order, sizes, delta, YY, toward=None, pull=0.0) -> lis
     return errors
 
 
-def curve(method, mlp, X, chunk, stats, residual, errors) -> tuple[list, float]:
-    """``method.error_curve`` with the curve points' errors from ``errors``; and its seconds."""
+def curve(method, mlp, X, chunk, residual, errors, separate: bool) -> tuple[ChannelStats, list, float]:
+    """``method.error_curve`` with the curve points' errors from ``errors``, the statistics from a pass of their own
+    where ``separate`` (else from the curve's); and its seconds."""
     library = spap_mod.nested_lstsq_errors
     spap_mod.nested_lstsq_errors = errors
     try:
         t0 = time.perf_counter()
-        result = method.error_curve(mlp, X, chunk, stats, residual)
-        return result, time.perf_counter() - t0
+        stats = ChannelStats.of(mlp, X, chunk) if separate else None
+        stats, points = method.error_curve(mlp, X, chunk, residual, stats)
+        return stats, points, time.perf_counter() - t0
     finally:
         spap_mod.nested_lstsq_errors = library
 
@@ -64,22 +72,23 @@ def main(argv=None) -> None:
     calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
     layers = loaded.adapter.layers()
     hidden, kwargs = first_layer_inputs(loaded.model, layers, calib.windows, 1, loaded.device)
-    rows, curves = [], {"nested": [], "per set": []}
+    ways = {"one pass": (spap_mod.nested_lstsq_errors, False), "nested": (spap_mod.nested_lstsq_errors, True),
+            "per set": (per_set_errors, True)}
+    rows, curves, stats = [], {name: [] for name in ways}, {}
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
         out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1,
                         watch=loaded.adapter.mlp_input_module(layer))
-        t1 = time.perf_counter()
         mlp = loaded.adapter.get_mlp(layer)
         chunk = chunk_for(mlp.width, 8192)
-        stats = ChannelStats.of(mlp, X, chunk)
         residual = token_energies(out.reshape(-1, out.shape[-1]), chunk, loaded.device)
-        t2 = time.perf_counter()
-        row = {"layer": i, "replay": t1 - t0, "channel statistics": t2 - t1}
-        ways = [("nested", spap_mod.nested_lstsq_errors), ("per set", per_set_errors)]
-        for name, errors in ways if i % 2 == 0 else ways[::-1]:  # alternate which runs first
-            points, row[f"curve ({name})"] = curve(method, mlp, X, chunk, stats, residual, errors)
+        row = {"layer": i, "replay": time.perf_counter() - t0}
+        names = list(ways)
+        for name in names[i % 3:] + names[:i % 3]:  # rotate which runs first
+            stats[name], points, row[name] = curve(method, mlp, X, chunk, residual, *ways[name])
             curves[name].append(points)
+        row["same statistics and curve"] = curves["one pass"][-1] == curves["nested"][-1] and all(
+            torch.equal(getattr(stats["one pass"], k), getattr(stats["nested"], k)) for k in ("z_sum", "z_sq"))
         row["largest relative difference"] = max(abs(a - b) / max(abs(b), 1e-30) for (_, a), (_, b)
                                                  in zip(curves["nested"][-1], curves["per set"][-1]))
         rows.append(row)
@@ -96,15 +105,16 @@ def main(argv=None) -> None:
     frame = pd.DataFrame(rows)
     frame["model"], frame["tokens"] = args.model, args.nsamples * args.seqlen
     write_csv_atomic(args.out, frame)
-    stages = ["replay", "channel statistics", "curve (nested)", "curve (per set)"]
-    sums = frame[stages].sum()
+    sums = frame[["replay", *ways]].sum()
     write_text_atomic(args.out.replace(".csv", ".md"), (
         f"# The error allocation's dense pass\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
         f"Machine: {torch.get_num_threads()} CPU threads; {args.model}, {args.nsamples} x {args.seqlen} calibration "
-        f"tokens, `{args.method}`.\n\nSeconds summed over the {len(layers)} layers:\n\n"
-        f"{sums.round(2).to_frame('seconds').to_markdown()}\n\n"
-        f"The curve's points from one factorisation: {sums['curve (per set)'] / sums['curve (nested)']:.2f}x as "
-        f"fast as one solve per point; the largest relative difference of a curve point "
+        f"tokens, `{args.method}`.\n\nSeconds summed over the {len(layers)} layers (each curve's with its channel "
+        f"statistics):\n\n{sums.round(2).to_frame('seconds').to_markdown()}\n\n"
+        f"The statistics from the curve's own pass: {sums['nested'] / sums['one pass']:.2f}x as fast as a pass of "
+        f"their own; the same statistics and curves in {int(frame['same statistics and curve'].sum())} of "
+        f"{len(layers)} layers. The curve's points from one factorisation: {sums['per set'] / sums['nested']:.2f}x "
+        f"as fast as one solve per point; the largest relative difference of a curve point "
         f"{frame['largest relative difference'].max():.1e}.\n\nThe widths each set of curves gives:\n\n"
         f"{pd.DataFrame(widths).to_markdown(index=False)}\n"))
 

@@ -152,7 +152,7 @@ def mirror(H: torch.Tensor) -> torch.Tensor:
 
 
 def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
-         low: bool = False, per_token: bool = False, reference: torch.Tensor | None = None):
+         low: bool = False, per_token: bool = False, reference: torch.Tensor | None = None, each=None):
     """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
     ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias), on the MLP's device
     (``X`` and ``Y`` may wait elsewhere: ``rows``): float32 products of each chunk, summed in ``dtype``. With
@@ -162,7 +162,9 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
     ``‖mlp(x)‖``: then ``⟨W H, W⟩`` and ``W H`` are the output errors and targets of every token relative to its
     own output energy, so a few tokens with massive outputs do not outweigh the rest. With ``reference`` (``[N]``
     energies, aligned with ``X``'s rows), each ``z̃`` is divided by ``√reference`` instead: the errors of every
-    token relative to, e.g., the hidden state its output is added to."""
+    token relative to, e.g., the hidden state its output is added to. ``each`` is called with every chunk's ``Z`` as
+    computed (before the ones row and any weighting), so that a second sum over the same activations needs no
+    second forward (the error curve's channel statistics, ``ChannelStats.add``)."""
     bias = mlp.b_out is not None
     n, device = mlp.width + bias, mlp.W_out.device
     H = torch.zeros(n, n, dtype=dtype, device=device)
@@ -171,6 +173,8 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
     for start in range(0, X.shape[0], chunk):
         with products(low, device):
             Z = mlp.hidden(rows(X, start, start + chunk, device).float())
+        if each is not None:
+            each(Z)
         Z = augment(Z.float(), bias)
         if W is not None or reference is not None:  # a (near) zero reference is floored, never divided by
             e = energies(Z @ W.T) if reference is None else rows(reference, start, start + chunk, device).double()

@@ -129,9 +129,12 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
                 check_finite(X, f"layer {i}: the MLP inputs")
                 mlp = adapter.get_mlp(layer)
                 c = chunk_for(mlp.width, chunk)
-                s = ChannelStats.of(mlp, X, c)
-                if curve is not None:  # with the energy of every token's block output, which its MLP output joins
-                    s.curve = curve(mlp, X, c, s, token_energies(out.reshape(-1, out.shape[-1]), c, onloader.device))
+                if curve is None:
+                    s = ChannelStats.of(mlp, X, c)
+                else:  # with the energy of every token's block output, which its MLP output joins; the curve's pass
+                    # takes the statistics too
+                    s, points = curve(mlp, X, c, token_energies(out.reshape(-1, out.shape[-1]), c, onloader.device))
+                    s.curve = points
         s.angular = block_angular(hidden, out)
         stats.append(s)
         hidden = out

@@ -52,17 +52,27 @@ class ChannelStats:
         return cls(N, None, None)
 
     @classmethod
+    def empty(cls, n: int, device) -> "ChannelStats":
+        """Zero sums over no tokens, for ``add`` to fill a chunk at a time."""
+        return cls(0, torch.zeros(n, dtype=torch.float64, device=device),
+                   torch.zeros(n, dtype=torch.float64, device=device))
+
+    def add(self, Z: torch.Tensor) -> None:
+        """Add a chunk of activations ``Z [c, n]`` to the sums. One float64 copy, squared in place: the same sums
+        as squaring a second copy, and the caller's ``Z`` is left as it was (a pass that also sums ``Zᵀ Z`` from it,
+        ``linalg.gram``'s ``each``)."""
+        Z = Z.to(torch.float64, copy=True)
+        self.z_sum += Z.sum(0)
+        self.z_sq += Z.pow_(2).sum(0)
+        self.N += Z.shape[0]
+
+    @classmethod
     def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
-        n, device = mlp.width, mlp.W_out.device
-        z_sum = torch.zeros(n, dtype=torch.float64, device=device)
-        z_sq = torch.zeros(n, dtype=torch.float64, device=device)
+        stats = cls.empty(mlp.width, mlp.W_out.device)
         with torch.no_grad():
             for start in range(0, X.shape[0], chunk):  # X may wait in host memory (``linalg.rows``)
-                # one float64 copy of the chunk, squared in place: the same sums as squaring a second copy
-                Z = mlp.hidden(rows(X, start, start + chunk, device).float()).double()
-                z_sum += Z.sum(0)
-                z_sq += Z.pow_(2).sum(0)
-        return cls(X.shape[0], z_sum, z_sq)
+                stats.add(mlp.hidden(rows(X, start, start + chunk, mlp.W_out.device).float()))
+        return stats
 
 
 def block_angular(h_in: torch.Tensor, h_out: torch.Tensor, batch: int = 8) -> float:

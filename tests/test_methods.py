@@ -143,13 +143,36 @@ def test_error_curves_weigh_every_token_by_its_own_output_energy():
     stats = ChannelStats.of(mlp, X, 100)  # the same ranking for every curve: only the weighting differs
 
     def curve(weight, X):
-        errors = [e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, stats)]
+        errors = [e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, stats=stats)[1]]
         return torch.tensor(errors)
 
     token = curve("token", X)
     assert torch.all(curve("energy", X)[1:] > 0.01)  # channels matter to the ordinary tokens
     assert torch.allclose(curve("token", massive), token, atol=1e-3)
     assert torch.all(curve("energy", massive)[:-1] < 1e-3)  # flat until the last channel: the allocation's trap
+
+
+@pytest.mark.parametrize("tokens", [4096, 300])
+def test_an_error_curve_takes_the_channel_statistics_from_its_own_gram_pass(tokens):
+    """Without statistics given, the curve's Gram pass sums them from its own ``Z`` when it reads every token: the same
+    sums as ``ChannelStats.of`` bit for bit (the same chunks, the same float64 sums), so the same ranking and curve as
+    with the statistics given; it reads them in no second forward. Where the curve reads a sample of the tokens
+    (``error_tokens`` < N), the statistics still come from every token."""
+    from conftest import tiny_model
+
+    mlp = sl.get_adapter(model := tiny_model("llama")).get_mlp(model.model.layers[1])
+    X = torch.randn(512, mlp.W_out.shape[0], generator=torch.Generator().manual_seed(0))
+    residual = torch.rand(512, dtype=torch.float64) + 0.5
+    method = SPAP(error_tokens=tokens)
+    given = ChannelStats.of(mlp, X, 100)
+    forwards, hidden = [], mlp.hidden
+    mlp.hidden = lambda x: forwards.append(x.shape[0]) or hidden(x)
+    taken, curve = method.error_curve(mlp, X, 100, residual)
+    assert sum(forwards) == 512 + (tokens if tokens < 512 else 0)  # every token once, the sample once more
+    mlp.hidden = hidden
+    assert taken.N == given.N == 512
+    assert torch.equal(taken.z_sum, given.z_sum) and torch.equal(taken.z_sq, given.z_sq)
+    assert curve == method.error_curve(mlp, X, 100, residual, given)[1]
 
 
 def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joins(windows):
@@ -169,14 +192,14 @@ def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joi
         own = mlp(X).double().square().sum(1)
 
     def curve(weight, residual=None):
-        return torch.tensor([e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, stats, residual)])
+        return torch.tensor([e for _, e in SPAP(error_weight=weight).error_curve(mlp, X, 100, residual, stats)[1]])
 
     token = curve("token")
     assert torch.allclose(curve("residual", own), token, rtol=1e-4, atol=1e-7)
     assert torch.allclose(curve("residual", 100 * own), token / 100, rtol=1e-4, atol=1e-9)
     with pytest.raises(ValueError, match="residual"):
         curve("residual")
-    weak, strong = (SPAP(error_weight="residual").error_curve(mlp, X, 100, stats, c * own) for c in (1.0, 100.0))
+    weak, strong = (SPAP(error_weight="residual").error_curve(mlp, X, 100, c * own, stats)[1] for c in (1.0, 100.0))
     removed = allocation.by_error([weak, strong], 2 * 32)
     assert sum(removed) == 64 and removed[1] > 32 > removed[0]
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))

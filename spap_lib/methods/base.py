@@ -244,11 +244,11 @@ class Method:
         """Why a part that this method does not take as a hyperparameter cannot be set (``get_method``)."""
         return "its parts are fixed"
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats,
-                    residual: torch.Tensor | None = None) -> list[tuple[int, float]]:
-        """``(channels removed, relative error)`` of one dense layer (its inputs ``X``, its ``ChannelStats``, and
-        ``residual``: the energies of the hidden states its outputs are added to, per token of ``X``), for
-        ``allocation="error"``."""
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
+                    stats=None) -> tuple:
+        """One dense layer's ``ChannelStats`` (``stats`` where given) and its ``(channels removed, relative error)``
+        curve, from its inputs ``X`` and ``residual``, the energies of the hidden states its outputs are added to,
+        per token of ``X``; for ``allocation="error"``."""
         raise NotImplementedError
 
     def allocation_scores(self, mlp: MLP, stats) -> torch.Tensor:

@@ -239,7 +239,11 @@ class SPAP(Method):
             stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
                                          "steps": chunks_of(s.N, s.chunk)}
         if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, then its points' errors
-            Ne, points = min(self.error_tokens, self.allocation_tokens(s.N)), curve_points(s.n)
+            Na = self.allocation_tokens(s.N)
+            Ne, points = min(self.error_tokens, Na), curve_points(s.n)
+            # reading every token of the pass, the curve's Gram pass takes the channel statistics ("dense channel
+            # statistics" prices its forward); on a sample, a forward of its own
+            forward = 2 * s.in_proj * Ne * s.d * s.n if Ne < Na else 0
             # each token's output energy; "residual" reads the block outputs' energies, N·d
             weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0
             kept = [s.n - r + 1 for r in points]
@@ -247,7 +251,7 @@ class SPAP(Method):
             # the whole layer and a back-solve per point (``nested_lstsq_errors``); priced at the solves' rate
             solves = sum(2 * k * k * s.d for k in kept) if self.update == "none" else \
                 (s.n + 1) ** 3 / 3 + (s.n + 1) ** 2 * s.d + sum(k * k * s.d for k in kept)
-            stages["error curves"] = {"fp32": 2 * s.in_proj * Ne * s.d * s.n + gram_flops(Ne, s.n) + weigh,
+            stages["error curves"] = {"fp32": forward + gram_flops(Ne, s.n) + weigh,
                                       "solve": solves, "steps": chunks_of(Ne, s.chunk) + len(points) + 1}
         if self.update not in ROUNDS or not self.am_iters:
             return stages
@@ -360,25 +364,33 @@ class SPAP(Method):
         H = problem.H[cols[:, None], cols]
         return reconstruction_error(mlp.out_augmented(), H, YZ, problem.YY) / problem.YY
 
-    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, stats: ChannelStats,
-                    residual: torch.Tensor | None = None) -> list[tuple[int, float]]:
-        """``(r, e)``: the dense layer's relative reconstruction error ``e`` once ``r`` channels are removed, at
-        ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``: every token's error relative
-        to its own output energy, or the layer's summed, or (``"residual"``) the mean of every token's error relative
-        to ``residual``, the energies ``[N]`` of the hidden states the layer's outputs are added to, aligned with
-        ``X``'s rows). Channels are ranked once by the selection's
-        score on the layer's dense statistics ``stats`` (``allocation_scores``; the penalty method: its first
-        s-step), and the kept columns are refitted by least squares (update ``none``: the dense weights). The kept
-        sets are nested, so every point's refit comes from one factorisation (``nested_lstsq_errors``). The "error"
-        allocation spends the budget where these curves are flattest."""
+    def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
+                    stats: ChannelStats | None = None) -> tuple[ChannelStats, list[tuple[int, float]]]:
+        """The dense layer's channel statistics and its curve ``(r, e)``: the relative reconstruction error ``e`` once
+        ``r`` channels are removed, at ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``:
+        every token's error relative to its own output energy, or the layer's summed, or (``"residual"``) the mean of
+        every token's error relative to ``residual``, the energies ``[N]`` of the hidden states the layer's outputs
+        are added to, aligned with ``X``'s rows). Channels are ranked once by the selection's score on the layer's
+        dense statistics (``allocation_scores``; the penalty method: its first s-step), and the kept columns are
+        refitted by least squares (update ``none``: the dense weights). The kept sets are nested, so every point's
+        refit comes from one factorisation (``nested_lstsq_errors``). The "error" allocation spends the budget where
+        these curves are flattest.
+
+        The statistics are ``stats`` where given; otherwise the curve's Gram pass sums them from its own ``Z`` when it
+        reads every token (no second forward over them: the same sums as ``ChannelStats.of``, from TF32 products where
+        the precision is tf32), and a pass of their own takes them over every token when it reads a sample."""
         precision = resolve_precision(self.precision, mlp.W_out.device)
         weight = self.error_weight
         if weight == "residual" and residual is None:
             raise ValueError("error_weight='residual' needs the energies of the hidden states the outputs are added to")
         Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else None, self.error_tokens, seed=0)
+        if stats is None and Xe is not X:
+            stats = ChannelStats.of(mlp, X, chunk)
+        taken = ChannelStats.empty(mlp.width, mlp.W_out.device) if stats is None else None
         with matmul_precision(precision):
             H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight == "token",
-                     reference=reference)
+                     reference=reference, each=None if taken is None else taken.add)
+        stats = taken if stats is None else stats
         check_finite(H, "the error curve's Gram matrix entries")
         n, bias = mlp.width, mlp.b_out is not None
         order = torch.argsort(self.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
@@ -397,7 +409,7 @@ class SPAP(Method):
             nested = torch.cat([order.new_tensor([n]), order]) if bias else order  # the bias column is always kept
             errors = nested_lstsq_errors(YZ, H, nested, [n - r + bias for r in points], self.damp * scale, YY,
                                          toward=W0, pull=self.anchor * scale)
-        return [(r, max(e / norm, 0.0)) for r, e in zip(points, errors)]
+        return stats, [(r, max(e / norm, 0.0)) for r, e in zip(points, errors)]
 
 
 def curve_points(n: int, points: int = 16) -> list[int]:
