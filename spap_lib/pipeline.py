@@ -109,7 +109,8 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
     ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
-    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation. Without ``channels``
+    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation, and takes its statistics
+    (from the curve's own Gram pass where that reads every token). Without ``channels``
     the pass is the layers' replay alone, for the angular distances (``ChannelStats.blocks_only``): no MLP
     inputs kept, no pass over their activations. With ``low`` the replay's products take bf16 inputs
     (``linalg.products``); the statistics and curves are then taken from its float32 outputs as they are.
