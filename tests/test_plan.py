@@ -83,6 +83,17 @@ def test_the_updates_token_samples_are_counted_where_x_and_y_are():
     assert sl.get_method("spap").host_set(s)[host_key] == 2 * 16384 * row
 
 
+def test_the_error_curves_price_a_forward_of_their_own_only_when_they_read_a_sample():
+    """Reading every token of the allocation's pass, the curves' Gram pass takes the channel statistics, whose stage
+    prices that forward (``SPAP.error_curve``); reading a sample of the tokens, they need a forward of their own."""
+    s = Shapes(N=16384, d=576, n=1536, n_keep=1228, in_proj=2, chunk=8192, p=4, b=4, vocab=1, tied=False)
+    forward = 2 * s.in_proj * s.d * s.n  # per token
+    every, sample = (sl.get_method("spap", allocation="error", error_tokens=t).cost(s) for t in (s.N, s.N // 2))
+    assert every["dense channel statistics"]["fp32"] == sample["dense channel statistics"]["fp32"] == forward * s.N
+    assert every["error curves"]["fp32"] == 2 * s.N * s.n * s.n  # the Gram product alone
+    assert sample["error curves"]["fp32"] == forward * s.N // 2 + 2 * (s.N // 2) * s.n * s.n
+
+
 def test_paper_headline_setting_on_one_24gb_card():
     """Recorded, not hoped: LLaMA-3.1-8B at 128 x 2048 does not fit a 24 GB card with everything
     resident (weights alone are 15 GB); with the weights in host memory it does, under the 20 GB target."""
