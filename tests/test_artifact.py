@@ -1,5 +1,6 @@
 """The artifact's own files: Dockerfile lint, pinned torch, notebook parameter contracts."""
 import ast
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -43,6 +44,16 @@ def test_readme_is_a_short_manual_with_docs_for_the_depth():
                  *(REPO / "bench" / "results").glob("*.md")]:
         text = path.read_text()
         assert str(REPO) not in text and f"{home}/" not in text, path
+
+
+def test_every_registered_hyperparameter_is_documented():
+    """docs/parameters.md names every hyperparameter that any registered method declares."""
+    from spap_lib.methods import METHODS
+
+    doc = (REPO / "docs" / "parameters.md").read_text()
+    missing = {name: [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in doc]
+               for name, cls in METHODS.items()}
+    assert not any(missing.values()), missing
 
 
 def test_torch_is_pinned_everywhere():
