@@ -171,7 +171,8 @@ def main(argv=None) -> None:
         "One process per mode. Host peak: VmHWM of the whole process (load, evaluation, prune, save); device "
         "peak: torch.cuda.max_memory_allocated from the prune on. Plan: `spap_lib.plan` for the same run "
         "(predicted from the config alone). 'kept hash': sha256 of the kept channels (equal = same prune).\n\n"
-        + table.to_markdown(index=False) + "\n"))
+        # a '|' in a column name would split the header cell in GitHub's rendering
+        + table.rename(columns=lambda name: name.replace("|", "\\|")).to_markdown(index=False) + "\n"))
 
 
 if __name__ == "__main__":

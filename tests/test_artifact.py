@@ -2,6 +2,7 @@
 import ast
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,31 @@ def test_readme_is_a_short_manual_with_docs_for_the_depth():
                  *(REPO / "bench" / "results").glob("*.md")]:
         text = path.read_text()
         assert str(REPO) not in text and f"{home}/" not in text, path
+
+
+def _markdown_tables(text: str):
+    """Each table outside code fences, as (line number, line) pairs, the header first."""
+    table, fenced = [], False
+    for number, line in enumerate(text.splitlines() + [""], 1):
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and line.lstrip().startswith("|"):
+            table.append((number, line))
+        elif table:
+            yield table
+            table = []
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/*.md", "results/*.md", "bench/results/*.md", "data/*.md"])
+def test_every_table_row_has_its_headers_columns(page):
+    """GitHub splits a table cell at every unescaped `|`, inside code spans too, so `Σ|W|` in a cell shifts the
+    rest of its row; it must be written `Σ\\|W\\|`."""
+    def cells(line):
+        return len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+
+    bad = [f"{path.relative_to(REPO)}:{number}: {cells(line)} cells under {cells(table[0][1])}"
+           for path in sorted(REPO.glob(page)) for table in _markdown_tables(path.read_text())
+           for number, line in table[1:] if cells(line) != cells(table[0][1])]
+    assert not bad, bad
 
 
 def test_every_registered_hyperparameter_is_documented():
