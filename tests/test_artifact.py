@@ -64,7 +64,7 @@ def test_every_table_row_has_its_headers_columns(page):
     """GitHub splits a table cell at every unescaped `|`, inside code spans too, so `Σ|W|` in a cell shifts the
     rest of its row; it must be written `Σ\\|W\\|`."""
     def cells(line):
-        return len(re.split(r"(?<!\\)\|", line.strip().strip("|")))
+        return len(re.split(r"(?<!\\)\|", line.strip().removeprefix("|").removesuffix("|")))
 
     bad = [f"{path.relative_to(REPO)}:{number}: {cells(line)} cells under {cells(table[0][1])}"
            for path in sorted(REPO.glob(page)) for table in _markdown_tables(path.read_text())
