@@ -20,6 +20,7 @@ import pandas as pd
 import torch
 
 from spap_lib.adapters import MLP
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods.alternating import adam, adam_steps_on, trainable
 from spap_lib.plan import shipped_config
@@ -131,7 +132,7 @@ def main() -> None:
                  f"# Adam steps: eager against one CUDA graph per step\n\nCommand: `python bench/adam_graph.py "
                  f"{' '.join(sys.argv[1:])}`  \nRevision: `{git_revision()}`  \nDevice: {device_name(device)}; random "
                  f"weights, {a.tokens} random tokens, bf16 products, {a.rounds * a.steps} steps of {a.batch} tokens; "
-                 f"median of {a.repeat} runs after a warm-up.\n\n{summary.to_markdown(floatfmt='.4g')}\n")
+                 f"median of {a.repeat} runs after a warm-up.\n\n{markdown_table(summary, floatfmt='.4g')}\n")
 
 
 if __name__ == "__main__":

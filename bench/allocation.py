@@ -26,6 +26,7 @@ import torch
 import spap_lib as sl
 from spap_lib import allocation as alloc
 from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import chunk_for, lstsq_columns, reconstruction_error, token_energies
 from spap_lib.methods import spap as spap_mod
@@ -110,13 +111,13 @@ def main(argv=None) -> None:
         f"# The error allocation's dense pass\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
         f"Machine: {torch.get_num_threads()} CPU threads; {args.model}, {args.nsamples} x {args.seqlen} calibration "
         f"tokens, `{args.method}`.\n\nSeconds summed over the {len(layers)} layers (each curve's with its channel "
-        f"statistics):\n\n{sums.round(2).to_frame('seconds').to_markdown()}\n\n"
+        f"statistics):\n\n{markdown_table(sums.round(2).to_frame('seconds'))}\n\n"
         f"The statistics from the curve's own pass: {sums['nested'] / sums['one pass']:.2f}x as fast as a pass of "
         f"their own; the same statistics and curves in {int(frame['same statistics and curve'].sum())} of "
         f"{len(layers)} layers. The curve's points from one factorisation: {sums['per set'] / sums['nested']:.2f}x "
         f"as fast as one solve per point; the largest relative difference of a curve point "
         f"{frame['largest relative difference'].max():.1e}.\n\nThe widths each set of curves gives:\n\n"
-        f"{pd.DataFrame(widths).to_markdown(index=False)}\n"))
+        f"{markdown_table(pd.DataFrame(widths), index=False)}\n"))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.capture import first_layer_inputs
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.pipeline import dense_pass_settings, dense_stats, needs_channel_stats
 
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
         f"The pass over the {len(adapter.layers())} layers, median of {args.repeat} runs each (alternating): full "
         f"{full:.1f} s, bf16 {low:.1f} s ({full / low:.2f}x as fast). The largest relative difference of a block's "
         f"angular distance: {angular:.1e}.\n\nThe widths each pass gives:\n\n"
-        f"{frame[list(rows[0])].to_markdown(index=False)}\n"))
+        f"{markdown_table(frame[list(rows[0])], index=False)}\n"))
 
 
 if __name__ == "__main__":

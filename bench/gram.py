@@ -17,6 +17,7 @@ import time
 import pandas as pd
 import torch
 
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import GRAM_BLOCKS, add_gram, mirror
 
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
         f"# The Gram pass: whole product against upper-triangle blocks\n\nCommand: `{command}`  \n"
         f"Revision: `{git_revision()}`  \nMachine: {where}, float32, chunks of {args.chunk} tokens, "
         f"{GRAM_BLOCKS} blocks, best of {args.repeats} interleaved (whole, then blocks, in each repeat).\n\n"
-        f"{frame.to_markdown(index=False, floatfmt='.3g')}\n\n"
+        f"{markdown_table(frame, index=False, floatfmt='.3g')}\n\n"
         "`speedup`: the whole product's time over the blocks' (`add_gram` for every chunk, then `mirror`); "
         "`max_rel_diff`: the largest entry of the difference over the largest entry of `H`; `symmetric`: the "
         "blocks' `H` equals its transpose exactly.\n"))

@@ -27,6 +27,7 @@ import torch
 from tune import layer_bench_parser, mlp_inputs
 
 import spap_lib as sl
+from spap_lib.figures import markdown_table
 from spap_lib.grid import Variant
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import lstsq_columns, mean_diag
@@ -152,7 +153,7 @@ def write_results(args, command, revision, fit, held, rows) -> None:
             wide["differs from penalty (mean of λ)"] = part.groupby("label", sort=False)["differs_from_penalty"].mean()
             wide["differs from first (mean)"] = part.groupby("label", sort=False)["differs_from_first"].mean()
             wide["λ"] = part.groupby("label", sort=False)["removed"].first()
-        parts.append(f"\n## {title}\n\n{wide.to_markdown(floatfmt='.5g')}\n")
+        parts.append(f"\n## {title}\n\n{markdown_table(wide, floatfmt='.5g')}\n")
     write_text_atomic(args.out.replace(".csv", ".md"), "".join(parts))
 
 

@@ -32,6 +32,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.data import Calibration
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.memory import peak_rss_mb
 from spap_lib.plan import available_host_gb, local_device, plan
@@ -171,8 +172,7 @@ def main(argv=None) -> None:
         "One process per mode. Host peak: VmHWM of the whole process (load, evaluation, prune, save); device "
         "peak: torch.cuda.max_memory_allocated from the prune on. Plan: `spap_lib.plan` for the same run "
         "(predicted from the config alone). 'kept hash': sha256 of the kept channels (equal = same prune).\n\n"
-        # a '|' in a column name would split the header cell in GitHub's rendering
-        + table.rename(columns=lambda name: name.replace("|", "\\|")).to_markdown(index=False) + "\n"))
+        + markdown_table(table, index=False) + "\n"))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import chunk_for, token_energies, top_share
 
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     write_text_atomic(out.replace(".csv", ".md"), (
         f"# Share of each MLP's dense output energy ‖Y‖²\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
         f"{args.model}, {args.nsamples} x {args.seqlen} calibration tokens (seed 0), the dense model.\n\n"
-        f"{frame.round(3).to_markdown(index=False)}\n"))
+        f"{markdown_table(frame.round(3), index=False)}\n"))
 
 
 if __name__ == "__main__":

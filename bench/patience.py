@@ -18,6 +18,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.linalg import chunk_for, gram
 
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
         f"Revision: `{git_revision()}`  \nModel {args.model}, {args.nsamples} x {args.seqlen} calibration tokens "
         f"(dense inputs), float32 Gram matrices, SPAP's defaults otherwise; `moved_layers`: layers where a removed "
         f"channel differs from the first s-step's choice; `iterations`: the mean the early end ran.\n\n"
-        f"{by.to_markdown()}\n"))
+        f"{markdown_table(by)}\n"))
     print(by.to_string())
 
 

@@ -24,6 +24,7 @@ import pandas as pd
 
 import spap_lib as sl
 from spap_lib.data import Calibration
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.plan import plan
 
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
         "resident set before it (weights, Python and libraries); predicted = the plan's peak minus weights and "
         "evaluation logits. Prune time: the plan's compute-only estimate from the measured rates of the machine it "
         "ran on.\n\n"
-        + table.to_markdown(index=False) + "\n"))
+        + markdown_table(table, index=False) + "\n"))
 
 
 def _wide(name: str, nsamples: int, seqlen: int):

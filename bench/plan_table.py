@@ -14,6 +14,7 @@ import sys
 
 import pandas as pd
 
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.plan import THROUGHPUT, plan
 
@@ -44,7 +45,7 @@ def main() -> None:
         "fastest of none, cpu, disk that fits). Rates: spap_lib/throughput.json (h100 measured on an H100, "
         "its pipeline terms fitted to measured layers, bench/results/plan_times.md; rtx4090 a spec-sheet "
         "assumption without them).\n\n"
-        + frame.to_markdown(index=False) + "\n"))
+        + markdown_table(frame, index=False) + "\n"))
     print(frame.to_string(index=False))
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import pandas as pd
 
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_text_atomic
 from spap_lib.plan import THROUGHPUT, plan
 
@@ -134,7 +135,7 @@ def main(argv=None) -> None:
         f"Command: `python bench/plan_times.py` (git {git_revision()}); the measured rows: "
         "[measured_layer_times.csv](measured_layer_times.csv), each with the revision it ran at and its source. "
         f"Rows outside ±{TOLERANCE:.0%}: {len(off)}.\n\n" + "\n".join(notes) + "\n\n"
-        + frame[cols].to_markdown(index=False) + "\n"))
+        + markdown_table(frame[cols], index=False) + "\n"))
     print(frame[cols[:11]].to_string(index=False))
 
 

@@ -19,6 +19,7 @@ import pandas as pd
 
 import spap_lib as sl
 from spap_lib.data import tokenize
+from spap_lib.figures import markdown_table
 from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
 
 
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
         f"# Gram/solve precision: float32 vs float64\n\nCommand: `{command}`  \nRevision: `{git_revision()}`  \n"
         f"Method {args.method} at {args.sparsity}, {args.nsamples} x {args.seqlen} calibration tokens (validation, "
         f"seed 0), perplexity on the first windows of {args.eval_seqlen} tokens of WikiText-2 test; 2-core CPU, "
-        f"float32 weights.\n\n{pd.DataFrame(rows).to_markdown(index=False)}\n"))
+        f"float32 weights.\n\n{markdown_table(pd.DataFrame(rows), index=False)}\n"))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from tune import RANDOM_NOTE, device_arguments, synchronize
 import spap_lib as sl
 from spap_lib import linalg
 from spap_lib.capture import first_layer_inputs, replay
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem, alternating, base
 from spap_lib.methods import spap as spap_mod
@@ -179,7 +180,7 @@ def main(argv=None) -> None:
         f"Device: {device_name(device)}{RANDOM_NOTE if args.random else ''}; "
         f"{loaded.model.dtype} weights; layer {args.layer} of {args.model}, "
         f"{args.nsamples} x {args.seqlen} calibration tokens, sparsity {args.sparsity}, hyperparameters as "
-        f"labelled (the rest default).\n\n{wide.to_markdown()}\n\nRatio to FASP: {ratios}\n"
+        f"labelled (the rest default).\n\n{markdown_table(wide)}\n\nRatio to FASP: {ratios}\n"
         + "".join(f"\n* {line} (against the first Gram setting)" for line in same) + ("\n" if same else "")))
 
 if __name__ == "__main__":

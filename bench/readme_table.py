@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.figures import UPDATE_LABELS, load_rows
+from spap_lib.figures import UPDATE_LABELS, load_rows, markdown_table
 from spap_lib.io import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def render_sweep(csv: str) -> str:
     resumed = pd.to_numeric(table.pop("resumed_at_layer"), errors="coerce").fillna(0)
     table["prune_seconds"] = [f"{t:.0f}" + (f" (layers {int(k)}+)" if k > 0 else "")
                               for t, k in zip(table["prune_seconds"], resumed)]
-    return table.where(table.notna(), "").to_markdown(index=False)
+    return markdown_table(table.where(table.notna(), ""), index=False)
 
 
 def render_ablation(csv: str) -> str:
@@ -63,7 +63,7 @@ def render_ablation(csv: str) -> str:
     for c in wide.columns[keys:]:  # every perplexity with two decimals (32.90, not 32.9)
         wide[c] = ["" if pd.isna(v) else f"{v:.2f}" for v in wide[c]]
     align = ("left",) * keys + ("right",) * (len(wide.columns) - keys)
-    return wide.to_markdown(index=False, disable_numparse=True, colalign=align)
+    return markdown_table(wide, index=False, disable_numparse=True, colalign=align)
 
 
 def render_table5(csv: str) -> str:
@@ -74,7 +74,7 @@ def render_table5(csv: str) -> str:
     table.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
                              for s, w in zip(table.pop("eval_seqlen"), table.pop("eval_windows"))])
     table["sparsity"] = [f"{x:.0%}" for x in table["sparsity"]]
-    return table.to_markdown(index=False)
+    return markdown_table(table, index=False)
 
 
 def render_zeroshot(csv: str) -> str:
@@ -87,7 +87,7 @@ def render_zeroshot(csv: str) -> str:
     table = table.rename(columns={"limit": "examples"}).rename(columns=lambda c: c.replace("ppl@", "ppl @ "))
     table = table.astype(object).where(table.notna(), "")  # a protocol a run did not score is blank, not nan
     return ("(accuracy in %, ± lm-eval's standard error; `examples`: per task, `all` = the whole split)\n\n"
-            + table.to_markdown(index=False))
+            + markdown_table(table, index=False))
 
 
 def render_profile(csv: str) -> str:
@@ -95,7 +95,7 @@ def render_profile(csv: str) -> str:
             "seconds_min", "seconds_max", "prefill_ms", "decode_ms_per_token", "tokens_per_s", "bandwidth_gb_s",
             "peak_mem_mb", "speedup", "bytes_bound", "of_bound"]
     df = pd.read_csv(csv)
-    return df[[c for c in cols if c in df.columns]].round(3).to_markdown(index=False)
+    return markdown_table(df[[c for c in cols if c in df.columns]].round(3), index=False)
 
 
 def render_paper(csv: str) -> str:
@@ -103,7 +103,7 @@ def render_paper(csv: str) -> str:
     from spap_lib.figures import beside_paper
 
     table = beside_paper(csv, PAPER_CSV, "128×512")
-    return table.to_markdown(index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
+    return markdown_table(table, index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
 def _grid_protocol(table: pd.DataFrame) -> pd.DataFrame:
@@ -138,7 +138,7 @@ def render_budget128(csv: str) -> str:
     out.insert(2, "dense", [f"{dense[m]:.2f}" if m in dense else "" for m in out["model"]])
     out = out[[c for c in out.columns if isinstance(c, str) or (out[c] != "").any()]]  # sparsities measured here
     out.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in out.columns]
-    return out.to_markdown(index=False) if len(out) else "(no 128 × 512 rows in results/ablation.csv)"
+    return markdown_table(out, index=False) if len(out) else "(no 128 × 512 rows in results/ablation.csv)"
 
 
 def render_parts(csv: str) -> str:
@@ -151,7 +151,7 @@ def render_parts(csv: str) -> str:
         if not isinstance(c, str):  # perplexity per sparsity, two decimals (a collapsed run's too), blank if not run
             table[c] = ["" if pd.isna(v) else f"{v:.2f}" for v in table[c]]
     table.columns = [c if isinstance(c, str) else f"{c:.0%}" for c in table.columns]
-    return table.to_markdown(index=False, disable_numparse=True)
+    return markdown_table(table, index=False, disable_numparse=True)
 
 
 def render_best(csv: str) -> str:
@@ -163,7 +163,7 @@ def render_best(csv: str) -> str:
     if not len(table):
         return "(no grid cell with both a baseline and a composition with the alternating update)"
     table["sparsity"] = [f"{x:.0%}" for x in table["sparsity"]]
-    return table.round(2).to_markdown(index=False)
+    return markdown_table(table.round(2), index=False)
 
 
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,

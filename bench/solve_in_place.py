@@ -75,6 +75,7 @@ def main(argv=None) -> None:
         return
     import pandas as pd
 
+    from spap_lib.figures import markdown_table
     from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 
     command = " ".join(["python", "bench/solve_in_place.py", *(sys.argv[1:] if argv is None else argv)])
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
         f"# A damped Gram solve in place against the same solve on copies ({device_name('cpu')}, float32)\n\n"
         "Peak resident set above the inputs, in n x n float32 buffers (the most of the repeats; each variant in a "
         "fresh process), and the median time of each variant, alternating in one run.\n\n"
-        + table.to_markdown(index=False) + "\n"))
+        + markdown_table(table, index=False) + "\n"))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import spap_lib as sl
 from spap_lib import bf16
 from spap_lib.capture import capture_inputs
 from spap_lib.checks import scalar
+from spap_lib.figures import markdown_table
 from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
 
@@ -197,7 +198,7 @@ def main(argv=None) -> None:
         f"{units}.  \n"
         f"Base point: `{base}`; layers {layers}; fit {fit.describe()}; held-out {held.describe()}.\n"
         f"Mean over layers of the held-out relative error (lower is better) and seconds per layer{runs}:\n\n"
-        f"{summary.to_markdown()}\n"))
+        f"{markdown_table(summary)}\n"))
     print(summary.to_string())
 
 

@@ -1,6 +1,7 @@
 """Figures and tables drawn only from result tables (CSV), so they regenerate without pruning."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -359,3 +360,22 @@ def beside_paper(results_csv: str | Path, paper_csv: str | Path, calib: str, eva
 def _first(values: pd.Series) -> float | None:
     values = pd.to_numeric(values, errors="coerce").dropna()
     return float(values.iloc[0]) if len(values) else None
+
+
+_UNESCAPED_PIPE = re.compile(r"(?<!\\)\|")
+
+
+def markdown_table(frame: pd.DataFrame, **to_markdown) -> str:
+    """``frame.to_markdown(**to_markdown)`` with every unescaped ``|`` in its labels and text cells escaped.
+
+    GitHub ends a table cell at each unescaped pipe, inside code spans too, so a label such as
+    ``Σᵢ|W_ij|`` or a column named ``max |diff|`` would shift the rest of its row. A pipe already escaped
+    is kept as it is, not escaped twice."""
+    def escape(value):
+        return _UNESCAPED_PIPE.sub(r"\\|", value) if isinstance(value, str) else value
+
+    out = frame.rename(columns=escape, index=escape)
+    for i, dtype in enumerate(out.dtypes):
+        if pd.api.types.is_string_dtype(dtype):  # object or str columns; numbers keep their formatting
+            out.iloc[:, i] = out.iloc[:, i].map(escape)
+    return out.to_markdown(**to_markdown)

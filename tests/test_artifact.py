@@ -47,6 +47,11 @@ def test_readme_is_a_short_manual_with_docs_for_the_depth():
         assert str(REPO) not in text and f"{home}/" not in text, path
 
 
+def _cells(line: str) -> int:
+    """How many cells GitHub renders in a table line: one outer pipe stripped per side, split at unescaped pipes."""
+    return len(re.split(r"(?<!\\)\|", line.strip().removeprefix("|").removesuffix("|")))
+
+
 def _markdown_tables(text: str):
     """Each table outside code fences, as (line number, line) pairs, the header first."""
     table, fenced = [], False
@@ -63,13 +68,28 @@ def _markdown_tables(text: str):
 def test_every_table_row_has_its_headers_columns(page):
     """GitHub splits a table cell at every unescaped `|`, inside code spans too, so `Σ|W|` in a cell shifts the
     rest of its row; it must be written `Σ\\|W\\|`."""
-    def cells(line):
-        return len(re.split(r"(?<!\\)\|", line.strip().removeprefix("|").removesuffix("|")))
-
-    bad = [f"{path.relative_to(REPO)}:{number}: {cells(line)} cells under {cells(table[0][1])}"
+    bad = [f"{path.relative_to(REPO)}:{number}: {_cells(line)} cells under {_cells(table[0][1])}"
            for path in sorted(REPO.glob(page)) for table in _markdown_tables(path.read_text())
-           for number, line in table[1:] if cells(line) != cells(table[0][1])]
+           for number, line in table[1:] if _cells(line) != _cells(table[0][1])]
     assert not bad, bad
+
+
+def test_the_bench_table_writer_escapes_pipes_in_labels_and_cells():
+    """Every bench page and rendered table goes through `markdown_table`: a pipe in a column name, an index label
+    or a text cell is escaped once (an escaped one is kept), and numbers keep their formatting."""
+    import pandas as pd
+
+    from spap_lib.figures import markdown_table
+
+    direct = [p.name for p in sorted((REPO / "bench").glob("*.py")) if ".to_markdown(" in p.read_text()]
+    assert not direct, f"{direct} call DataFrame.to_markdown; use spap_lib.figures.markdown_table"
+    frame = pd.DataFrame({"method": ["wanda_sp: Σᵢ|W_ij|", "kept \\| escaped"], "reload max |diff|": [0.5, 1.25],
+                          0.2: [1, 2]})
+    for text in (markdown_table(frame, index=False), markdown_table(frame.set_index("method"), floatfmt=".3g")):
+        lines = text.splitlines()
+        assert [_cells(line) for line in lines] == [3] * 4, text
+        assert "Σᵢ\\|W_ij\\|" in text and "max \\|diff\\|" in text and "kept \\| escaped" in text, text
+        assert "\\\\|" not in text and "1.25" in text, text
 
 
 def test_every_registered_hyperparameter_is_documented():
