@@ -77,6 +77,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, default=None)
     p.add_argument("--host-memory-gb", type=float, default=None)
     p.add_argument("--offload", default="auto")
+    p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this (as spap prune)")
     _eval_args(p)
 
     p = sub.add_parser("eval", help="WikiText-2 perplexity of a model or checkpoint")
@@ -122,7 +123,8 @@ def _plan(a) -> str:
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
     p = plan(a.model, method=a.method, sparsity=a.sparsity, nsamples=a.nsamples, seqlen=a.seqlen,
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
-             device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload)
+             device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
+             round_to=a.round_to)
     return p.table()
 
 

@@ -66,6 +66,17 @@ class SparsityPlan:
         return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
 
 
+def channels_removed(sparsity: float, decoder_params: int, layers: int, params_per_channel: int, width: int,
+                     round_to: int | None = None) -> int:
+    """MLP channels removed per layer for ``sparsity`` of the decoder parameters, with the kept width the nearest
+    multiple of ``round_to`` (at least one multiple): the count both the prune and the memory plan use."""
+    n_remove = round(sparsity * decoder_params / (layers * params_per_channel))
+    if round_to is None:
+        return n_remove
+    keep = max(round_to, round((width - n_remove) / round_to) * round_to)
+    return max(0, width - keep)
+
+
 def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None) -> SparsityPlan:
     """``round_to``: make the kept width the nearest multiple of it (8/64/128: GEMM-friendly shapes);
     the achieved sparsity then moves off the requested one and is reported as measured. A non-uniform
@@ -81,10 +92,7 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     width = widths.pop()
     ppc = adapter.params_per_channel(layers[0])
     decoder = adapter.decoder_params()
-    n_remove = round(sparsity * decoder / (len(layers) * ppc))
-    if round_to is not None:
-        keep = max(round_to, round((width - n_remove) / round_to) * round_to)
-        n_remove = max(0, width - keep)
+    n_remove = channels_removed(sparsity, decoder, len(layers), ppc, width, round_to)
     plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove, round_to)
     if sparsity > 0 and n_remove == 0:  # a run at full cost that changes nothing is refused, not reported after
         one = plan.params_per_channel * plan.layers / decoder

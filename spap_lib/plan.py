@@ -57,6 +57,7 @@ from .linalg import chunk_for, resolve_precision
 from .methods import DEFAULT_METHOD
 from .methods.base import Shapes
 from .onload import check_offload
+from .pipeline import channels_removed
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
@@ -202,13 +203,14 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
          nsamples: int = 128, seqlen: int = 2048, eval_seqlen: int = 2048, eval_windows: int | None = None,
          device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
          disk_free_gb: float | None = None, offload: str = "auto", dtype: str = "auto", batch_size: int = 1,
-         chunk: int = 8192, config=None) -> Plan:
+         chunk: int = 8192, round_to: int | None = None, config=None) -> Plan:
     """Peak memory and time of pruning ``model`` (alias, checkpoint dir or .gguf) before any weight is read.
 
     ``device`` names a row of ``throughput.json`` (its ``memory_gb`` is the default
     ``device_memory_gb``); ``dtype="auto"`` is float32 on a CPU row, bfloat16 on a GPU row.
     ``offload="auto"`` picks the fastest of none, cpu, disk that fits the device, the host memory and
-    (disk) ``disk_free_gb``; limits left at None are not checked. ``config`` skips reading the
+    (disk) ``disk_free_gb``; limits left at None are not checked. ``round_to`` prices the kept width the prune will
+    have (``pipeline.channels_removed``). ``config`` skips reading the
     model's config again when the caller has it.
     """
     from .methods import get_method
@@ -222,6 +224,7 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
                  ("eval_seqlen", eval_seqlen, Spec(int, ge=2)),
                  ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
+                 ("round_to", round_to, Spec(int, ge=1, optional=True)),
                  ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
                  ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
                  ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
@@ -235,7 +238,7 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
         layout_of(SimpleNamespace(config=config))
     args = dict(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
                 eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
-                chunk=chunk)
+                chunk=chunk, round_to=round_to)
     device_memory_gb = device_memory_gb or THROUGHPUT[device].get("memory_gb")
     limits = dict(device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb, disk_free_gb=disk_free_gb)
     if offload != "auto":
@@ -259,7 +262,8 @@ PERPLEXITY, SAVE_CHECKS = "perplexity (dense + pruned)", "save and reload check"
 
 def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: int, seqlen: int, eval_seqlen: int,
               eval_windows: int | None, device: str, dtype: str, batch_size: int, chunk: int,
-              device_memory_gb: float | None, host_memory_gb: float | None, disk_free_gb: float | None) -> Plan:
+              round_to: int | None, device_memory_gb: float | None, host_memory_gb: float | None,
+              disk_free_gb: float | None) -> Plan:
     row = THROUGHPUT[device]
     rates = row["flops_per_second"]
     gpu = not device.startswith("cpu")
@@ -267,7 +271,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     precision = resolve_precision(algo.precision, "cuda" if gpu else "cpu")
     p = 8 if precision == "float64" else 4
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
-    n_keep = max(1, n - round(sparsity * c["decoder"] / (L * c["per_channel"])))  # as plan_sparsity
+    n_keep = max(1, n - channels_removed(sparsity, c["decoder"], L, c["per_channel"], n, round_to))
     # a layer-wise method passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
     # whole-model method's passes use ``chunk`` as it is
     resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there

@@ -146,7 +146,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
             check.memory_time = p = plan(
                 model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples, seqlen=seqlen,
                 eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows, device=row, device_memory_gb=memory_gb,
-                host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
+                round_to=round_to, host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
                 disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
             if not p.fits:
                 raise ParameterError(

@@ -345,3 +345,19 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan(monkeypatch
     assert 0 < low < 0.5 * (stages["angular"]["calibration forward passes"] - uniform["calibration forward passes"])
     with pytest.raises(ParameterError, match="sets update otherwise"):
         sl.check_run("smollm2-135m", method="fasp/update=gd", hparams={"update": "ls"}, sparsity=0.2)
+
+
+def test_a_rounded_prune_is_priced_at_its_rounded_width():
+    """``round_to`` moves the kept width to a multiple; the plan prices the model the prune will make, not the
+    unrounded one (the checkpoint's size and the update's working set follow the kept width)."""
+    d, n, L, decoder = 4096, 14336, 32, 6_979_584_000  # LLaMA-3.1-8B: 3 · d parameters per MLP channel
+    exact = plan("llama-3.1-8b", device="h100", offload="none")
+    rounded = plan("llama-3.1-8b", device="h100", offload="none", round_to=4096)
+    n_remove = round(0.2 * decoder / (L * 3 * d))
+    keep_exact, keep_rounded = n - n_remove, round((n - n_remove) / 4096) * 4096
+    assert keep_rounded != keep_exact
+    gap = (keep_rounded - keep_exact) * L * 3 * d * 2 / GB  # bf16 bytes of the channels rounding keeps or drops
+    assert rounded.checkpoint_gb - exact.checkpoint_gb == pytest.approx(gap, rel=1e-9)
+    assert plan("llama-3.1-8b", device="h100", offload="none", round_to=1).checkpoint_gb == exact.checkpoint_gb
+    with pytest.raises(ParameterError, match="round_to"):
+        plan("llama-3.1-8b", device="h100", round_to=0)
