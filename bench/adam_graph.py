@@ -19,10 +19,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from spap_lib.adapters import MLP
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.methods.alternating import adam, adam_steps_on, trainable
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.methods.spap.alternating import adam, adam_steps_on, trainable
+from spap_lib.model.adapters import MLP
 from spap_lib.plan import shipped_config
 
 

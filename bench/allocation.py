@@ -24,13 +24,15 @@ import pandas as pd
 import torch
 
 import spap_lib as sl
-from spap_lib import allocation as alloc
-from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.linalg import chunk_for, lstsq_columns, reconstruction_error, token_energies
-from spap_lib.methods import spap as spap_mod
-from spap_lib.stats import ChannelStats
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.methods.parts import allocation as alloc
+from spap_lib.methods.spap import algorithm as spap_mod
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.numerics.linalg import chunk_for, token_energies
+from spap_lib.numerics.solve import lstsq_columns, reconstruction_error
+from spap_lib.numerics.stats import ChannelStats
 
 
 def per_set_errors(WH, H, order, sizes, delta, YY, toward=None, pull=0.0) -> list[float]:

@@ -18,10 +18,11 @@ import pandas as pd
 import torch
 
 import spap_lib as sl
-from spap_lib.capture import first_layer_inputs
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.pipeline import dense_pass_settings, dense_stats, needs_channel_stats
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.model.capture import first_layer_inputs
+from spap_lib.pipeline.sequential import dense_pass_settings, dense_stats, needs_channel_stats
 
 SETTINGS = ("full", "bf16")
 

@@ -17,9 +17,10 @@ import time
 import pandas as pd
 import torch
 
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.linalg import GRAM_BLOCKS, add_gram, mirror
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.numerics.linalg import GRAM_BLOCKS, add_gram, mirror
 
 
 def whole(Z_chunks: list[torch.Tensor], n: int) -> torch.Tensor:

@@ -27,13 +27,15 @@ import torch
 from tune import layer_bench_parser, mlp_inputs
 
 import spap_lib as sl
-from spap_lib.figures import markdown_table
-from spap_lib.grid import Variant
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.linalg import lstsq_columns, mean_diag
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.grid import Variant
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.parts import column_scores
-from spap_lib.methods.penalty import penalty_method
+from spap_lib.methods.parts.selection import column_scores
+from spap_lib.methods.spap.penalty import penalty_method
+from spap_lib.numerics.linalg import mean_diag
+from spap_lib.numerics.solve import lstsq_columns
 
 TABLE5 = ("fasp,spap_no_update,spap,spap_gd,"  # equal gradient steps: 10 rounds x 10 Adam steps (defaults)
           "spap/am_iters=20,spap_gd/am_iters=20,"  # the paper's 20 rounds, equal gradient steps (200)

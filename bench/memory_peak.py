@@ -21,7 +21,8 @@ import torch
 from offload import random_calibration, random_checkpoint  # bench/, the script's own folder
 
 import spap_lib as sl
-from spap_lib.io import device_name, git_revision, write_text_atomic
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.files import write_text_atomic
 
 GiB = 2**30
 

@@ -31,10 +31,11 @@ import pandas as pd
 import torch
 
 import spap_lib as sl
-from spap_lib.data import Calibration
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.memory import peak_rss_mb
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.evaluation.data import Calibration
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.numerics.memory import peak_rss_mb
 from spap_lib.plan import available_host_gb, local_device, plan
 
 GB = 2**30
@@ -47,8 +48,9 @@ def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from spap_lib.io import REPO, atomic_dir
-    from spap_lib.models import pick_dtype, read_config, resolve
+    from spap_lib.files import REPO, atomic_dir
+    from spap_lib.model.loading import pick_dtype, read_config
+    from spap_lib.model.sources import resolve
     from spap_lib.plan import shipped_config
 
     dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
@@ -71,7 +73,7 @@ def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
 
 def one(args) -> dict:
     """One mode, in this process."""
-    device = sl.models.pick_device(args.device)
+    device = sl.model.loading.pick_device(args.device)
     hparams = json.loads(args.hparams)
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
@@ -111,7 +113,7 @@ def one(args) -> dict:
         t = time.perf_counter()
         out = Path(tempfile.mkdtemp(prefix="spap-bench-out-")) / "pruned"
         sl.save(loaded, report, out)
-        checks = sl.io.read_checkpoint_manifest(out)["checks"]
+        checks = sl.artifact.manifest.read_checkpoint_manifest(out)["checks"]
         result["save s"], result["reload max |diff|"] = round(time.perf_counter() - t, 1), checks["reload_max_abs_diff"]
     result["peak host GB (measured, whole run)"] = round(peak_rss_mb() / 1024, 3)
     result["peak host GB (plan)"] = round(p.peak_host_gb, 3)
@@ -150,7 +152,7 @@ def main(argv=None) -> None:
         print(json.dumps(one(args)), flush=True)
         return
     if args.random:  # written once, before the children measure their own peaks
-        random_checkpoint(args.model, args.layers, sl.models.pick_device(args.device))
+        random_checkpoint(args.model, args.layers, sl.model.loading.pick_device(args.device))
     command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()

@@ -17,10 +17,11 @@ import pandas as pd
 import torch
 
 import spap_lib as sl
-from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.linalg import chunk_for, gram
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.numerics.linalg import chunk_for, gram
 
 
 def run(method, mlp, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict, float]:

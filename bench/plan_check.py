@@ -23,9 +23,10 @@ from pathlib import Path
 import pandas as pd
 
 import spap_lib as sl
-from spap_lib.data import Calibration
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.evaluation.data import Calibration
+from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.plan import plan
 
 
@@ -83,7 +84,8 @@ def _wide(name: str, nsamples: int, seqlen: int):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     d, n = (int(x) for x in name.removeprefix("wide:").split("x"))
     config = LlamaConfig(vocab_size=256, hidden_size=d, intermediate_size=n, num_hidden_layers=2,

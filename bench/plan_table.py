@@ -14,8 +14,9 @@ import sys
 
 import pandas as pd
 
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.plan import THROUGHPUT, plan
 
 HOST_GB = 64

@@ -28,8 +28,9 @@ from contextlib import contextmanager
 
 import pandas as pd
 
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_text_atomic
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.files import write_text_atomic
 from spap_lib.plan import THROUGHPUT, plan
 
 MEASURED = "bench/results/measured_layer_times.csv"

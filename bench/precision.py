@@ -18,9 +18,10 @@ from pathlib import Path
 import pandas as pd
 
 import spap_lib as sl
-from spap_lib.data import tokenize
-from spap_lib.figures import markdown_table
-from spap_lib.io import git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import git_revision
+from spap_lib.evaluation.data import tokenize
+from spap_lib.files import write_csv_atomic, write_text_atomic
 
 
 def main(argv=None) -> None:

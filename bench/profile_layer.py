@@ -26,13 +26,15 @@ from offload import random_calibration, random_checkpoint  # bench/, the script'
 from tune import RANDOM_NOTE, device_arguments, synchronize
 
 import spap_lib as sl
-from spap_lib import linalg
-from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
-from spap_lib.methods import LayerProblem, alternating, base
-from spap_lib.methods import spap as spap_mod
-from spap_lib.models import pick_device
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.files import write_csv_atomic, write_text_atomic
+from spap_lib.methods import LayerProblem, base
+from spap_lib.methods.spap import algorithm as spap_mod
+from spap_lib.methods.spap import alternating
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.model.loading import pick_device
+from spap_lib.numerics import linalg
 
 # (module, function name, stage label): the functions that do the work, wrapped with a timer
 STAGES = [

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.figures import UPDATE_LABELS, load_rows, markdown_table
-from spap_lib.io import write_text_atomic
+from spap_lib.artifact.figures import UPDATE_LABELS, load_rows, markdown_table
+from spap_lib.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where rendered blocks may live
@@ -52,7 +52,7 @@ def render_sweep(csv: str) -> str:
 def render_ablation(csv: str) -> str:
     """Perplexity per model/protocol/method (rows) and sparsity (columns), methods in the paper's order;
     the protocol column says the window length and how many test windows were scored."""
-    from spap_lib.figures import headline
+    from spap_lib.artifact.figures import headline
 
     wide = headline(csv).round(2).reset_index()
     wide.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
@@ -68,7 +68,7 @@ def render_ablation(csv: str) -> str:
 
 def render_table5(csv: str) -> str:
     """Table 5 (does each part of SPAP help?) per model and protocol, with the increase over dense."""
-    from spap_lib.figures import table5
+    from spap_lib.artifact.figures import table5
 
     table = table5(csv)
     table.insert(2, "eval", [f"{s} × {'whole test' if w < 0 else f'first {w}'}"
@@ -80,7 +80,7 @@ def render_table5(csv: str) -> str:
 def render_zeroshot(csv: str) -> str:
     """Table 3: perplexities, then accuracy (%) ± lm-eval's standard error per task with the metric the
     paper reports, and the mean; one row per checkpoint and number of examples scored per task."""
-    from spap_lib.zeroshot import table3
+    from spap_lib.evaluation.zeroshot import table3
 
     table = table3(pd.read_csv(csv), stderr=True).reset_index()
     table["limit"] = ["all" if x < 0 else str(int(x)) for x in table["limit"]]
@@ -100,7 +100,7 @@ def render_profile(csv: str) -> str:
 
 def render_paper(csv: str) -> str:
     """Our perplexity at 128 × 512 beside the paper's on its closest models (``figures.beside_paper``)."""
-    from spap_lib.figures import beside_paper
+    from spap_lib.artifact.figures import beside_paper
 
     table = beside_paper(csv, PAPER_CSV, "128×512")
     return markdown_table(table, index=False) if len(table) else "(no 128 × 512 rows in results/ablation.csv)"
@@ -116,7 +116,7 @@ def render_budget128(csv: str) -> str:
     """The 128 × 512 grid on its own: every method at today's defaults (the label is the method; where a model
     has no such row, the method's labelled rows, e.g. ``flap/bias=false`` where there is no bias slot), per
     model, on the first 40 test windows of 512; the best pruned cell of each model and sparsity in bold."""
-    from spap_lib.figures import headline
+    from spap_lib.artifact.figures import headline
 
     wide = _grid_protocol(headline(csv, eval_seqlen=512).reset_index())
     wide = wide[wide["calib"] == "128×512"]
@@ -144,7 +144,7 @@ def render_budget128(csv: str) -> str:
 def render_parts(csv: str) -> str:
     """Every labelled method as its three parts (selection, allocation, update) and its perplexity per sparsity,
     per model and calibration size, on the grid's protocol (``figures.compositions``)."""
-    from spap_lib.figures import compositions
+    from spap_lib.artifact.figures import compositions
 
     table = _grid_protocol(compositions(csv)).drop(columns=["label"])
     for c in table.columns:
@@ -157,7 +157,7 @@ def render_parts(csv: str) -> str:
 def render_best(csv: str) -> str:
     """Per model, calibration size and sparsity: the best baseline against the best composition with SPAP's
     alternating update, and the best of those at uniform widths (``figures.best_compositions``)."""
-    from spap_lib.figures import best_compositions
+    from spap_lib.artifact.figures import best_compositions
 
     table = _grid_protocol(best_compositions(csv))
     if not len(table):

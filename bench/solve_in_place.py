@@ -27,7 +27,7 @@ import torch
 def inputs(n: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Gram matrix of ``2n`` random tokens with channel scales over four decades, ``Y Zᵀ`` and the damping; the
     tokens are drawn 256 at a time, so the process's peak before the solve is ``H`` and little more."""
-    from spap_lib.linalg import add_gram
+    from spap_lib.numerics.linalg import add_gram
 
     g = torch.Generator().manual_seed(0)
     H, scale = torch.zeros(n, n), torch.logspace(-2, 2, n)
@@ -46,7 +46,7 @@ def on_copies(WH: torch.Tensor, H: torch.Tensor, penalty: torch.Tensor) -> torch
 
 
 def one(variant: str, n: int, d: int, out: str | None) -> dict:
-    from spap_lib.linalg import ridge
+    from spap_lib.numerics.solve import ridge
 
     H, WH, penalty = inputs(n, d)
     solve = ridge if variant == "in place" else on_copies
@@ -75,8 +75,9 @@ def main(argv=None) -> None:
         return
     import pandas as pd
 
-    from spap_lib.figures import markdown_table
-    from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
+    from spap_lib.artifact.figures import markdown_table
+    from spap_lib.artifact.manifest import device_name, git_revision
+    from spap_lib.files import write_csv_atomic, write_text_atomic
 
     command = " ".join(["python", "bench/solve_in_place.py", *(sys.argv[1:] if argv is None else argv)])
     rows, tmp = [], Path(args.out).parent

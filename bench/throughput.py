@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from spap_lib.io import REPO, device_name, git_revision, write_json_atomic
+from spap_lib.artifact.manifest import device_name, git_revision
+from spap_lib.files import REPO, write_json_atomic
 
 TABLE = REPO / "spap_lib" / "throughput.json"
 

@@ -22,12 +22,13 @@ import torch
 from offload import random_calibration, random_checkpoint
 
 import spap_lib as sl
-from spap_lib import bf16
-from spap_lib.capture import capture_inputs
+from spap_lib.artifact.figures import markdown_table
+from spap_lib.artifact.manifest import device_name, git_revision
 from spap_lib.checks import scalar
-from spap_lib.figures import markdown_table
-from spap_lib.io import device_name, git_revision, write_csv_atomic, write_text_atomic
+from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
+from spap_lib.model.capture import capture_inputs
+from spap_lib.numerics import bf16
 
 PENALTY_GRID = {
     "t": [0.0, 0.5, 1.0],
@@ -107,7 +108,7 @@ def main(argv=None) -> None:
 
     layers = [int(x) for x in args.layers.split(",")]
     n_held = args.held or max(4, args.nsamples // 4)
-    device = sl.models.pick_device(args.device)
+    device = sl.model.loading.pick_device(args.device)
     if args.random:  # the model's shapes, built here: no model files needed, e.g. on a GPU machine without them
         source = random_checkpoint(args.model, max(layers) + 1, device)
         loaded = sl.load(str(source), device=args.device)

@@ -2,19 +2,21 @@
 
 Hu & Yuan, "SPAP: Structured Pruning via Alternating Optimization and Penalty Methods", 2025.
 """
-from .adapters import MLP, get_adapter, supported_model_types
-from .api import prune
-from .caches import dense_perplexity, get_calibration, save_calibration
-from .checkpoint import prune_result, save
-from .checks import check_notebook_parameters
-from .data import calibration_windows, data_dir, wikitext
-from .errors import CheckpointError, NumericalError, OutputError, ParameterError, SourceError, SpapError
-from .evaluate import perplexity, perplexity_of_ids
-from .io import REPO, write_json_atomic
-from .methods import METHODS, get_method
-from .models import OFFLINE_DEFAULT, known_models, load, resolve
-from .pipeline import plan_sparsity, prune_model
-from .validate import check_run
+from spap_lib.api import prune
+from spap_lib.artifact.caches import dense_perplexity, get_calibration, save_calibration
+from spap_lib.artifact.checkpoint import prune_result, save
+from spap_lib.checks import check_notebook_parameters
+from spap_lib.errors import CheckpointError, NumericalError, OutputError, ParameterError, SourceError, SpapError
+from spap_lib.evaluation.data import calibration_windows, data_dir, wikitext
+from spap_lib.evaluation.perplexity import perplexity, perplexity_of_ids
+from spap_lib.files import REPO, write_json_atomic
+from spap_lib.methods import METHODS, get_method
+from spap_lib.model.adapters import MLP, get_adapter, supported_model_types
+from spap_lib.model.loading import load
+from spap_lib.model.sources import OFFLINE_DEFAULT, known_models, resolve
+from spap_lib.pipeline.sequential import prune_model
+from spap_lib.pipeline.sparsity import plan_sparsity
+from spap_lib.validate import check_run
 
 __version__ = "0.1.0"
 __all__ = [

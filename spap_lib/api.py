@@ -1,4 +1,5 @@
-"""``prune``: one call that prunes a loaded model in place and reports what it did.
+"""``prune``: one call that prunes a loaded model in place and reports what it did; ``shape_variants``: the
+pruned shapes a profile (``evaluation.profile``) compares, from one load.
 
 The notebooks' other calls live beside it, one job per module: ``validate.check_run`` (every parameter
 before any weight is read), ``caches`` (calibration windows and dense perplexity reused between
@@ -13,14 +14,16 @@ from pathlib import Path
 
 import torch
 
-from .checks import Spec, check_sparsity, check_values, fits_context
-from .data import Calibration
-from .errors import ParameterError
-from .linalg import NumericalError, nonfinite_parameters, resolve_precision
-from .memory import measured
-from .methods import DEFAULT_METHOD, Method, get_method
-from .models import Loaded, context_length
-from .pipeline import plan_sparsity, prune_model
+from spap_lib.checks import Spec, check_sparsity, check_values, fits_context
+from spap_lib.errors import ParameterError
+from spap_lib.evaluation.data import Calibration, calibration_windows
+from spap_lib.evaluation.profile import Variant, free_device_memory
+from spap_lib.methods import DEFAULT_METHOD, Method, get_method
+from spap_lib.model.loading import Loaded, context_length, load
+from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
+from spap_lib.numerics.memory import measured
+from spap_lib.pipeline.sequential import prune_model
+from spap_lib.pipeline.sparsity import plan_sparsity
 
 
 def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, sparsity: float = 0.2, *,
@@ -34,7 +37,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
     layer-0 inputs and dense statistics of one calibration set between runs (see ``grid.Grid``).
     ``chunk``: tokens per pass of the Gram and error sums (memory, not results: the plan counts
     ``chunk·(n+2d)·4`` bytes for it). ``resume_dir``: every finished layer is saved there, and a run
-    interrupted before the last layer resumes after the last saved one (``spap_lib.resume``); it serves
+    interrupted before the last layer resumes after the last saved one (``spap_lib.pipeline.resume``); it serves
     the layer-by-layer prunes (SPAP, its ablations, FASP): the one-pass score methods and SliceGPT
     are minutes where SPAP is hours, and start over. ``clear_resume=False`` keeps the finished layers
     there (the grid clears them once the cell's rows are written).
@@ -62,7 +65,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
     before = loaded.param_counts()
     checkpoint = None
     if resume_dir is not None and work:
-        from .resume import LayerCheckpoint, code_hash
+        from spap_lib.pipeline.resume import LayerCheckpoint, code_hash
 
         checkpoint = LayerCheckpoint(resume_dir, {
             "model": loaded.source.name, "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
@@ -86,6 +89,41 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
                                            "pruned": widths[0] if len(set(widths)) == 1 else widths},
                              "mlp_channel_ratio": plan.mlp_ratio},
                    method=method, kept_channels=run["kept_channels"])
+
+
+def shape_variants(model: str, sparsities: list[float], round_tos: list[int | None], method: str = "magnitude", *,
+                   device: str = "auto", progress: bool = False, slicing: list[float] = ()) -> dict[str, Variant]:
+    """``{"dense": ..., "20%": ..., "20% r64": ..., "slicegpt 20%": ...}``: the dense model and its pruned
+    shapes, each pruned by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in
+    seconds, no activations needed) from one load, on a copy per variant; only the kept channels are
+    returned. ``slicing``: SliceGPT's slicing fractions, as plans (its shapes, shortcut matrices included)."""
+    from spap_lib.methods.slicegpt.slicing import plan_for, shape_like
+
+    loaded = load(model, device=device)
+    for s in sparsities:
+        for r in round_tos:
+            plan_sparsity(loaded.adapter, s, r)  # an invalid sparsity or multiple fails before any work
+    calib = calibration_windows(loaded.tokenizer, 2, 64, 0)  # a score method barely reads activations
+    variants = {"dense": Variant(model)}
+    for s in sparsities:
+        for r in round_tos:
+            pruned = loaded.copy()
+            report = prune(pruned, calib, method, s, round_to=r, progress=progress)
+            label = f"{s:.0%}" + (f" r{r}" if r else "")
+            variants[label] = Variant(model, report["kept_channels"], report["sparsity"]["achieved_decoder"], r)
+            del pruned
+    dense_params = loaded.adapter.decoder_params()
+    for s in slicing:
+        plan = plan_for(loaded.model.config, s)
+        sliced = loaded.copy()
+        shape_like(sliced.model, plan)
+        variants[f"slicegpt {s:.0%}"] = Variant(model, None, 1 - sliced.adapter.decoder_params() / dense_params,
+                                                slicing=plan)
+        del sliced
+    device = loaded.device
+    del loaded
+    free_device_memory(device)  # the profiling processes need this memory, not our caches
+    return variants
 
 
 def _check_prunable(loaded: Loaded, calib: Calibration) -> None:

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import yaml
 
-from .errors import ParameterError, set_surface
+from spap_lib.errors import ParameterError, set_surface
 
 _TYPE_WORDS = {bool: "a boolean (True/False)", int: "an integer", float: "a number", str: "a string",
                dict: "a mapping", list: "a list"}

@@ -114,7 +114,8 @@ def _prune(a) -> dict:
 
 
 def _plan(a) -> str:
-    from spap_lib.models import known_models, pick_device
+    from spap_lib.model.loading import pick_device
+    from spap_lib.model.sources import known_models
     from spap_lib.plan import THROUGHPUT, available_host_gb, local_device, plan
 
     if a.list or not a.model:

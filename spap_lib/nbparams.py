@@ -15,8 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .checks import ParameterError
-from .io import REPO
+from spap_lib.checks import ParameterError
+from spap_lib.files import REPO
 
 NOTEBOOKS = REPO / "notebooks"
 

@@ -49,15 +49,15 @@ from pathlib import Path
 
 import torch
 
-from . import bf16
-from .adapters import get_adapter
-from .checks import ParameterError, Spec, check_values
-from .evaluate import LOSS_CHUNK
-from .linalg import chunk_for, resolve_precision
-from .methods import DEFAULT_METHOD
-from .methods.base import Shapes
-from .onload import check_offload
-from .pipeline import channels_removed
+from spap_lib.checks import ParameterError, Spec, check_values
+from spap_lib.evaluation.perplexity import LOSS_CHUNK
+from spap_lib.methods import DEFAULT_METHOD
+from spap_lib.methods.base import Shapes
+from spap_lib.model.adapters import get_adapter
+from spap_lib.model.offload import check_offload
+from spap_lib.numerics import bf16
+from spap_lib.numerics.linalg import chunk_for, resolve_precision
+from spap_lib.pipeline.sparsity import channels_removed
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
@@ -213,8 +213,9 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
     have (``pipeline.channels_removed``). ``config`` skips reading the
     model's config again when the caller has it.
     """
-    from .methods import get_method
-    from .models import read_config, resolve
+    from spap_lib.methods import get_method
+    from spap_lib.model.loading import read_config
+    from spap_lib.model.sources import resolve
 
     if device not in THROUGHPUT:
         raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
@@ -233,7 +234,7 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
     if algo.whole_model:  # SliceGPT: an architecture it cannot rotate is refused here too
         from types import SimpleNamespace
 
-        from .slicing import layout_of
+        from spap_lib.methods.slicegpt.slicing import layout_of
 
         layout_of(SimpleNamespace(config=config))
     args = dict(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,

@@ -15,16 +15,20 @@ from pathlib import Path
 
 import torch
 
-from . import bf16, io, resume
-from .adapters import get_adapter
-from .checkpoint import protected
-from .checks import Spec, check_sparsity, check_values, fits_context
-from .errors import OutputError, ParameterError, current_surface, option
-from .methods import Method, get_method
-from .models import ModelSource, context_length, pick_device, read_config, resolve
-from .onload import SafetensorsStore, check_offload, remove_dead_spills
-from .pipeline import SparsityPlan, plan_sparsity
-from .plan import Plan, available_host_gb, local_device, plan, size
+from spap_lib.artifact.checkpoint import protected
+from spap_lib.artifact.manifest import check_out_dir
+from spap_lib.checks import Spec, check_sparsity, check_values, fits_context
+from spap_lib.errors import OutputError, ParameterError, current_surface, option
+from spap_lib.methods import Method, get_method
+from spap_lib.model.adapters import get_adapter
+from spap_lib.model.loading import context_length, pick_device, read_config
+from spap_lib.model.offload import check_offload, remove_dead_spills
+from spap_lib.model.sources import ModelSource, resolve
+from spap_lib.model.stores import SafetensorsStore
+from spap_lib.numerics import bf16
+from spap_lib.pipeline import resume
+from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
+from spap_lib.plan import Plan, available_host_gb, local_device, plan, size
 
 
 @dataclass
@@ -80,7 +84,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     Reads only the model's config (GGUF: its metadata): the architecture, the context length that
     ``seqlen``/``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and
     the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
-    spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.onload``)
+    spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.model.offload``)
     ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this device, the host's
     available memory and the free space under ``spill_dir`` (disk); without a plan (no method or
     calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a
@@ -107,7 +111,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     source = resolve(model)  # the config and, for a local folder, the weight files' headers
     out_state = None
     if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
-        out_state = io.check_out_dir(out_dir, overwrite=overwrite,
+        out_state = check_out_dir(out_dir, overwrite=overwrite,
                                      protect=protected(source, **{"the run folder": run_dir}))
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work

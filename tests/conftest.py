@@ -53,7 +53,7 @@ def prune_save_reload(loaded, method: str, hparams: dict, windows, tokenizer, tm
     from transformers import AutoModelForCausalLM
 
     import spap_lib as sl
-    from spap_lib.data import Calibration
+    from spap_lib.evaluation.data import Calibration
 
     loaded.tokenizer, device = tokenizer, loaded.device
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
@@ -90,8 +90,9 @@ def arch(request):
 
 @pytest.fixture
 def loaded(arch):
-    from spap_lib.adapters import get_adapter
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     model = tiny_model(arch)
     return Loaded(model, None, get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))

@@ -1,6 +1,6 @@
 """Every MLP-channel method's prune of the tiny models, summarised: the reference its preset must reproduce.
 
-The methods are presets of one composition (``spap_lib.methods.parts``); ``tests/data/presets.json`` pins
+The methods are presets of one composition (``spap_lib.methods.parts.selection``); ``tests/data/presets.json`` pins
 what each one keeps and its weights' sums. Rewrite it only for a change that means to alter a method's
 result:
 
@@ -37,8 +37,9 @@ def snapshot(arch: str, method: str, hparams: dict) -> dict:
     from conftest import tiny_model
 
     import spap_lib as sl
-    from spap_lib.data import Calibration
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     if method == "flap" and arch == "qwen2":
         hparams = {**hparams, "bias": False}  # no bias slot

@@ -79,10 +79,10 @@ def test_the_bench_table_writer_escapes_pipes_in_labels_and_cells():
     or a text cell is escaped once (an escaped one is kept), and numbers keep their formatting."""
     import pandas as pd
 
-    from spap_lib.figures import markdown_table
+    from spap_lib.artifact.figures import markdown_table
 
     direct = [p.name for p in sorted((REPO / "bench").glob("*.py")) if ".to_markdown(" in p.read_text()]
-    assert not direct, f"{direct} call DataFrame.to_markdown; use spap_lib.figures.markdown_table"
+    assert not direct, f"{direct} call DataFrame.to_markdown; use spap_lib.artifact.figures.markdown_table"
     frame = pd.DataFrame({"method": ["wanda_sp: Σᵢ|W_ij|", "kept \\| escaped"], "reload max |diff|": [0.5, 1.25],
                           0.2: [1, 2]})
     for text in (markdown_table(frame, index=False), markdown_table(frame.set_index("method"), floatfmt=".3g")):
@@ -240,7 +240,7 @@ def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path, mo
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     from readme_table import render_sweep
 
-    from spap_lib.figures import PAPER_UPDATE, _protocol, exact_labels
+    from spap_lib.artifact.figures import PAPER_UPDATE, _protocol, exact_labels
 
     table = pd.read_csv(REPO / "results" / "ablation.csv", keep_default_na=False)
     # one calibration size: the calibration-size study adds a second SmolLM2 spap 20% cell (128 x 512)

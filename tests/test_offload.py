@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
-from spap_lib.data import Calibration
-from spap_lib.evaluate import perplexity_of_ids
-from spap_lib.models import load
-from spap_lib.onload import SPILL_PREFIX, DiskOffload, HostOffload, SpilledActivations
+from spap_lib.evaluation.data import Calibration
+from spap_lib.evaluation.perplexity import perplexity_of_ids
+from spap_lib.model.loading import load
+from spap_lib.model.offload import SPILL_PREFIX, DiskOffload, HostOffload, SpilledActivations
 
 MODES = ("none", "cpu", "disk")
 TINY_SPAP = {"K": 3, "am_iters": 1, "adam_steps": 2}
@@ -76,10 +76,10 @@ def test_offload_modes_give_the_same_prune_and_checkpoint(checkpoint, tmp_path, 
         pruned = perplexity_of_ids(loaded.model, ids, 24, onloader=loaded.onloader, progress=False)
         out = tmp_path / f"out-{mode}"
         sl.save(loaded, report, out)
-        checks = sl.io.read_checkpoint_manifest(out)["checks"]
+        checks = sl.artifact.manifest.read_checkpoint_manifest(out)["checks"]
         assert checks["reload_max_abs_diff"] <= 1e-4
         config = json.loads((out / "config.json").read_text())
-        reloaded = sl.models.load_nonuniform(out, torch.float32) if "spap_mlp_widths" in config else \
+        reloaded = sl.model.loading.load_nonuniform(out, torch.float32) if "spap_mlp_widths" in config else \
             AutoModelForCausalLM.from_pretrained(out)
         with torch.no_grad():
             logits = reloaded(input_ids=sample, use_cache=False).logits
@@ -144,7 +144,7 @@ def test_spilled_activations_read_back_what_was_written(tmp_path, dtype):
 def test_a_killed_runs_spill_folder_is_removed(tmp_path, checkpoint, run):
     """A killed disk-offload prune leaves its spill folder; the next run of any kind removes it."""
     import spap_lib as sl
-    from spap_lib.io import HOST
+    from spap_lib.files import HOST
 
     dead = tmp_path / f"{SPILL_PREFIX}{HOST}-{2**22 + 12345}-abc"  # above Linux's largest pid: never alive
     dead.mkdir()
@@ -210,7 +210,7 @@ def test_a_plan_that_does_not_fit_names_the_offload(checkpoint, monkeypatch):
 def test_streamed_perplexity_holds_one_span_of_logits(checkpoint, tmp_path, mode, monkeypatch):
     """Offloaded, the evaluation asks the model's head for one span of positions at a time (``logits_to_keep``),
     never a window's logits; the perplexity is the resident one's."""
-    from spap_lib import evaluate
+    from spap_lib.evaluation import perplexity as evaluate
 
     monkeypatch.setattr(evaluate, "LOSS_CHUNK", 5)
     ids = torch.randint(0, 128, (100,), generator=torch.Generator().manual_seed(2))

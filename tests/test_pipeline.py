@@ -5,11 +5,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
-from spap_lib import bf16
-from spap_lib.capture import first_layer_inputs, replay
-from spap_lib.data import Calibration
-from spap_lib.io import MANIFEST
+from spap_lib.artifact.manifest import MANIFEST
+from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.numerics import bf16
 
 FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
 
@@ -118,7 +118,7 @@ def test_no_hooks_left_behind(loaded, windows):
 
 
 def test_calibration_cache_round_trip(windows, tmp_path):
-    from spap_lib.caches import load_calibration, save_calibration
+    from spap_lib.artifact.caches import load_calibration, save_calibration
 
     calib = _calib(windows)
     save_calibration(tmp_path / "calibration.pt", calib, "tiny")
@@ -163,7 +163,7 @@ def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatc
     import gc
     import weakref
 
-    from spap_lib import pipeline
+    from spap_lib.pipeline import sequential as pipeline
 
     refs = []
     real_capture = pipeline.first_layer_inputs
@@ -192,7 +192,7 @@ def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatc
 def test_mlp_inputs_are_written_into_the_store_a_batch_at_a_time(loaded, windows):
     """``replay`` writes what the watched module sees into one tensor from ``inputs`` (an onloader's
     ``calibration``), batch by batch: the rows of every batch, in order, also when the pass stops at the MLP."""
-    from spap_lib.capture import capture_inputs
+    from spap_lib.model.capture import capture_inputs
 
     ad = loaded.adapter
     layer = ad.layers()[1]
@@ -218,7 +218,7 @@ def test_mlp_inputs_are_written_into_the_store_a_batch_at_a_time(loaded, windows
 def test_a_copy_of_an_mlp_can_wait_elsewhere():
     """``MLP.clone(device)`` copies (the update keeps its start and best round in host memory); ``MLP.to`` moves
     without copying what is already there."""
-    from spap_lib.adapters import MLP
+    from spap_lib.model.adapters import MLP
 
     mlp = MLP([torch.randn(6, 4), torch.randn(6, 4)], [None, torch.randn(6)], torch.randn(4, 6), None,
               torch.nn.functional.silu, glu=True)

@@ -20,7 +20,7 @@ PUBLISHED = {"llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "llama-3.2-1b": 1.236
 
 @pytest.mark.parametrize("alias", sorted(PUBLISHED))
 def test_every_paper_alias_plans_offline(alias, monkeypatch):
-    from spap_lib import models
+    from spap_lib.model import loading as models
 
     monkeypatch.setattr(models, "read_config", lambda *a: pytest.fail("read a config from outside"))
     p = plan(alias, device="h100", dtype="bfloat16", offload="none")
@@ -168,8 +168,9 @@ def test_predicted_working_memory_matches_a_measured_prune():
     noise (at n = 1536 the same comparison wanders by ±50% between identical runs)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from spap_lib.data import Calibration
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=4096, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)

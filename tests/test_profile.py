@@ -2,7 +2,7 @@
 order-alternating rounds and the table."""
 import pytest
 
-from spap_lib import profile as prof
+from spap_lib.evaluation import profile as prof
 
 
 def test_rounds_alternate_the_order_and_pool_every_run(monkeypatch):
@@ -138,7 +138,7 @@ def test_a_slicegpt_variant_has_the_shapes_slicegpt_gives(arch, windows):
     import torch
     from conftest import tiny_model
 
-    from spap_lib.slicing import fuse_norms, plan_for, rotate_and_slice, shape_like, sliced_dim
+    from spap_lib.methods.slicegpt.slicing import fuse_norms, plan_for, rotate_and_slice, shape_like, sliced_dim
 
     real = tiny_model(arch)
     rotate_and_slice(real, fuse_norms(real), windows, sliced_dim(32, 0.25, 8))

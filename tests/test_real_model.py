@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
-from spap_lib.data import tokenize
+from spap_lib.evaluation.data import tokenize
 
 # Measured on exactly this protocol (16 x 256 calibration windows of the validation split, fast
 # hyperparameters below, 20% sparsity, first 16 test windows of 256 tokens), in two separate runs on a
@@ -48,7 +48,7 @@ def test_smollm2_prune_reproduces_its_measured_perplexity(smollm2, tmp_path):
 def test_gguf_streams_tensor_by_tensor_to_the_same_weights(tmp_path):
     """offload="disk" on the GGUF: every tensor read one at a time equals what from_pretrained
     dequantizes all at once, and nothing of the decoder layers is in memory after loading."""
-    from spap_lib.onload import GGUFStore
+    from spap_lib.model.stores import GGUFStore
 
     dense = sl.load("smollm2-135m", device="cpu", offload="none")
     streamed = sl.load("smollm2-135m", device="cpu", offload="disk", spill_dir=tmp_path)
@@ -69,7 +69,7 @@ def test_committed_headline_cells_reproduce():
     another order; the cells were recorded on this 2-core CPU)."""
     import pandas as pd
 
-    from spap_lib.io import REPO
+    from spap_lib.files import REPO
 
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.test.raw").is_file():
         pytest.skip("WikiText-2 not in SPAP_DATA_DIR")

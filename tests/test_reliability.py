@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib import io
+from spap_lib import files as io
 from spap_lib.checks import ParameterError
-from spap_lib.data import Calibration
-from spap_lib.errors import CheckpointError
-from spap_lib.linalg import NumericalError
-from spap_lib.models import Loaded, ModelSource
+from spap_lib.errors import CheckpointError, OutputError
+from spap_lib.evaluation.data import Calibration
+from spap_lib.model.loading import Loaded
+from spap_lib.model.sources import ModelSource
+from spap_lib.numerics.linalg import NumericalError
 
 FAST = {"K": 3, "am_iters": 1, "adam_steps": 2, "batch_tokens": 32}
 
@@ -67,7 +68,7 @@ def test_out_dir_foreign_source_or_run_folder_is_refused_before_any_work(checkpo
              foreign / "notes.txt": "not a directory"}
     for out, message in cases.items():
         before = _files(out)
-        with pytest.raises(io.OutputError, match=message):
+        with pytest.raises(OutputError, match=message):
             sl.check_run(str(checkpoint), out_dir=out, run_dir=tmp_path / "run", overwrite=True)
         assert _files(out) == before
     assert (foreign / "notes.txt").read_text() == "mine"
@@ -82,13 +83,13 @@ def test_previous_checkpoint_needs_overwrite_and_only_holds_our_files(checkpoint
     report = sl.prune(loaded, _calib(windows), "magnitude", 0.3, progress=False)
     sl.save(loaded, report, out)
     first = _files(out)
-    with pytest.raises(io.OutputError, match="previous spap checkpoint .*overwrite=True"):
+    with pytest.raises(OutputError, match="previous spap checkpoint .*overwrite=True"):
         sl.save(loaded, report, out)
     assert sl.check_run(str(checkpoint), out_dir=out, overwrite=True).out_state == "checkpoint"
     sl.save(loaded, report, out, overwrite=True)
     assert _files(out).keys() == first.keys()
     (out / "my_notes.txt").write_text("keep me")
-    with pytest.raises(io.OutputError, match="files spap did not write .*my_notes.txt"):
+    with pytest.raises(OutputError, match="files spap did not write .*my_notes.txt"):
         sl.save(loaded, report, out, overwrite=True)
     assert (out / "my_notes.txt").read_text() == "keep me"
 
@@ -104,11 +105,10 @@ def test_unwritable_out_dir_is_refused_before_any_work(tmp_path):
         ro = base / "ro"
         ro.mkdir()
         os.chmod(ro, 0o555)
-        code = ("import importlib.util, os, sys, types\n"  # spap_lib.io alone, without torch (see _CHILD)
+        code = ("import os, sys, types\n"  # spap_lib.artifact.manifest alone, without torch (see _CHILD)
                 "pkg = sys.modules['spap_lib'] = types.ModuleType('spap_lib')\n"
                 f"pkg.__path__ = [{str(Path(io.__file__).parent)!r}]\n"
-                f"spec = importlib.util.spec_from_file_location('spap_lib.io', {io.__file__!r})\n"
-                "io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)\n"
+                "import spap_lib.artifact.manifest as io\n"
                 "if os.getuid() == 0: os.setgid(65534); os.setuid(65534)\n"
                 f"try: io.check_out_dir({str(ro / 'out')!r})\n"
                 "except io.OutputError as e: print(e); sys.exit(3)\n")
@@ -185,7 +185,7 @@ def test_evaluation_windows_and_lengths(tiny_tokenizer):
 
 
 def test_calibration_beyond_the_context_is_refused_before_work(monkeypatch):
-    from spap_lib import pipeline
+    from spap_lib.pipeline import sequential as pipeline
 
     for arch in ("llama", "opt"):  # OPT used to crash with an IndexError after the dense evaluation
         loaded = _loaded(arch, max_position_embeddings=16)
@@ -270,7 +270,7 @@ def test_chain_configs_only_name_declared_parameters(tmp_path):
 # -- errors that name the real cause --------------------------------------------------------------
 
 def test_nan_weights_are_named_before_any_work(monkeypatch, windows):
-    from spap_lib import pipeline
+    from spap_lib.pipeline import sequential as pipeline
 
     loaded = _loaded()
     with torch.no_grad():
@@ -323,7 +323,7 @@ def test_corrupt_gguf_is_named_as_corrupt(tmp_path):
 
 
 def test_local_looking_paths_are_not_tried_on_the_hub(tmp_path, monkeypatch):
-    from spap_lib import models
+    from spap_lib.model import loading as models
 
     monkeypatch.setattr(models, "hub_reachable", lambda *a, **k: pytest.fail("tried the hub"))
     monkeypatch.chdir(tmp_path)
@@ -347,10 +347,10 @@ def test_gpt2_is_named_as_an_unsupported_architecture(tmp_path):
 
 _CHILD = r"""
 import importlib.util, os, shutil, signal, sys, types
-# spap_lib.io and the errors it imports, without the package's __init__ (torch): a fast child
+# spap_lib.files and the errors it imports, without the package's __init__ (torch): a fast child
 pkg = sys.modules["spap_lib"] = types.ModuleType("spap_lib")
 pkg.__path__ = [os.path.dirname(sys.argv[1])]
-spec = importlib.util.spec_from_file_location("spap_lib.io", sys.argv[1])
+spec = importlib.util.spec_from_file_location("spap_lib.files", sys.argv[1])
 io = importlib.util.module_from_spec(spec); spec.loader.exec_module(io)
 target, kill_at, exchange = sys.argv[2], int(sys.argv[3]), sys.argv[4] == "exchange"
 calls = [0]
@@ -453,7 +453,7 @@ def test_fuzz_method_hyperparameters_are_used_or_refused():
 def test_fuzz_run_parameters_are_used_or_refused(checkpoint, tiny_tokenizer):
     """check_run accepts a value only if the run then uses it without a later refusal."""
     rng = random.Random(1)
-    text = sl.data.Text(" ".join(f"w{i % 100 + 1}" for i in range(4000)), "validation", "fixture")
+    text = sl.evaluation.data.Text(" ".join(f"w{i % 100 + 1}" for i in range(4000)), "validation", "fixture")
     ids = torch.randint(0, 128, (600,), generator=torch.Generator().manual_seed(0))
     loaded = sl.load(str(checkpoint), device="cpu")
     context = loaded.model.config.max_position_embeddings
@@ -482,7 +482,7 @@ def test_fuzz_run_parameters_are_used_or_refused(checkpoint, tiny_tokenizer):
 def _add_rows(path: str, who: str, n: int) -> None:
     import pandas as pd
 
-    from spap_lib.io import upsert_csv
+    from spap_lib.files import upsert_csv
 
     for i in range(n):
         upsert_csv(path, pd.DataFrame([{"who": who, "i": i}]), ["who", "i"])

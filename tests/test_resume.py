@@ -1,11 +1,13 @@
 """A sequential prune interrupted after some layers resumes where it stopped, with the same result."""
+import json
+
 import pytest
 import torch
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
-from spap_lib.data import Calibration
-from spap_lib.methods.spap import SPAP
+from spap_lib.evaluation.data import Calibration
+from spap_lib.methods.spap.algorithm import SPAP
 
 HP = {"K": 3, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 
@@ -17,8 +19,9 @@ def _calib(windows):
 def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(windows, tmp_path, monkeypatch):
     from conftest import tiny_model
 
-    from spap_lib.adapters import get_adapter
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     def loaded():
         m = tiny_model("llama")
@@ -56,8 +59,9 @@ def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(wi
 def test_another_runs_folder_is_refused(windows, tmp_path, monkeypatch):
     from conftest import tiny_model
 
-    from spap_lib.adapters import get_adapter
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     m = tiny_model("llama")
     run = Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
@@ -72,11 +76,25 @@ def test_another_runs_folder_is_refused(windows, tmp_path, monkeypatch):
         sl.prune(fresh, _calib(windows), "spap", 0.2, hparams=HP, progress=False, resume_dir=tmp_path / "r")
 
 
+def test_layers_pruned_by_other_code_are_refused_as_such(tmp_path):
+    """A folder from another version of spap (its code hash differs) is
+    refused naming the code, not mixed in, and the message says the layers cannot be reused."""
+    from spap_lib.pipeline.resume import check_folder
+
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "state.json").write_text(json.dumps({"fingerprint": {"code": "old", "n_remove": 3}, "next": 1,
+                                                   "hidden": {}}))
+    with pytest.raises(ParameterError, match=r"pruned by other code .*cannot be reused: delete the folder"):
+        check_folder(folder, {"code": "new", "n_remove": 3})
+    assert check_folder(folder, {"code": "old", "n_remove": 3}) == "resume"
+
+
 def test_saved_activations_go_back_batch_by_batch_into_a_spill_file(tmp_path):
     """offload="disk" keeps hidden states in spill files: they are written and read a batch at a time."""
-    from spap_lib.adapters import MLP
-    from spap_lib.onload import SpilledActivations
-    from spap_lib.resume import LayerCheckpoint
+    from spap_lib.model.adapters import MLP
+    from spap_lib.model.offload import SpilledActivations
+    from spap_lib.pipeline.resume import LayerCheckpoint
 
     hidden = torch.randn(5, 7, 3).to(torch.bfloat16)
     mlp = MLP([torch.randn(4, 3)], [None], torch.randn(3, 4), torch.randn(3), torch.relu, glu=False)
@@ -92,8 +110,8 @@ def test_saved_activations_go_back_batch_by_batch_into_a_spill_file(tmp_path):
 def test_a_kill_between_the_activations_and_the_commit_resumes_on_the_committed_ones(tmp_path, monkeypatch):
     """The next layer's inputs are written before state.json: a kill in between must leave the resume
     reading the inputs that match the committed layer, not the new ones."""
-    import spap_lib.resume as resume
-    from spap_lib.adapters import MLP
+    import spap_lib.pipeline.resume as resume
+    from spap_lib.model.adapters import MLP
 
     mlp = MLP([torch.randn(4, 3)], [None], torch.randn(3, 4), None, torch.relu, glu=False)
     ck = resume.LayerCheckpoint(tmp_path / "r", {"run": 1})
@@ -109,7 +127,7 @@ def test_a_kill_between_the_activations_and_the_commit_resumes_on_the_committed_
 
 
 def test_a_users_folder_is_never_used_or_cleared(tmp_path, windows):
-    from spap_lib.resume import LayerCheckpoint
+    from spap_lib.pipeline.resume import LayerCheckpoint
 
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ParameterError, match="is not empty and holds no state.json"):
@@ -126,8 +144,10 @@ def test_a_presets_saved_layers_are_tied_to_the_code_of_its_parts():
     """A preset's algorithm lives in its parent class and in the parts: an edit there must invalidate its
     saved layers too, not only an edit of the preset's own (near empty) module."""
     import spap_lib as sl
-    from spap_lib.methods import alternating, parts, penalty, spap
-    from spap_lib.resume import code_modules
+    from spap_lib.methods.parts import selection as parts
+    from spap_lib.methods.spap import algorithm as spap
+    from spap_lib.methods.spap import alternating, penalty
+    from spap_lib.pipeline.resume import code_modules
 
     for name in ("fasp", "spap_no_update", "spap_gd", "spap"):
         modules = code_modules(sl.METHODS[name])

@@ -4,7 +4,7 @@ import torch
 from conftest import tiny_model
 
 from spap_lib.checks import ParameterError
-from spap_lib.slicing import SlicedBlock, fuse_norms, rotate_and_slice, sliced_dim
+from spap_lib.methods.slicegpt.slicing import SlicedBlock, fuse_norms, rotate_and_slice, sliced_dim
 
 ARCHS = ["opt", "llama", "qwen2"]
 
@@ -97,7 +97,7 @@ def test_architectures_it_cannot_rotate_are_refused_before_any_work():
 def test_principal_directions_are_the_ones_kept(arch, windows, monkeypatch):
     """Slicing in the PCA basis loses less than slicing in a random orthonormal basis (the same code
     with ``pca`` replaced): the kept dimensions must be the high-variance ones."""
-    import spap_lib.slicing as slicing
+    import spap_lib.methods.slicegpt.slicing as slicing
 
     def err(model):
         before = _logits(_model(arch), windows[:2])
@@ -115,7 +115,7 @@ def test_principal_directions_are_the_ones_kept(arch, windows, monkeypatch):
 def test_a_sliced_checkpoint_reloads_exactly_and_stock_loading_refuses_it(arch, windows, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from spap_lib.slicing import load_sliced, mark_sliced, plan_of
+    from spap_lib.methods.slicegpt.slicing import load_sliced, mark_sliced, plan_of
 
     model = _model(arch).float()
     layout = fuse_norms(model)
@@ -133,9 +133,10 @@ def test_slicegpt_through_the_harness_prunes_saves_and_reloads(arch, windows, ti
     """``sl.prune(..., "slicegpt")`` and ``sl.save``: both sparsities in the report, the real parameter
     counts (shortcuts included, the untied head counted), a checkpoint ``sl.load`` rebuilds exactly."""
     import spap_lib as sl
-    from spap_lib.adapters import get_adapter
-    from spap_lib.data import Calibration
-    from spap_lib.models import Loaded, ModelSource
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
 
     model = _model(arch).float()
     loaded = Loaded(model, tiny_tokenizer, get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
@@ -158,7 +159,7 @@ def test_slicegpt_through_the_harness_prunes_saves_and_reloads(arch, windows, ti
 def test_slicegpt_in_the_grid_records_both_sparsities(tiny_tokenizer, windows, tmp_path):
     from test_grid import _grid
 
-    from spap_lib.grid import Variant, run_grid
+    from spap_lib.artifact.grid import Variant, run_grid
 
     g = _grid("llama", tiny_tokenizer, windows)
     g.resume_root = tmp_path / "progress"  # as 03 runs it: SliceGPT gets no resume folder (it refuses one)

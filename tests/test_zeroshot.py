@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import spap_lib as sl
-from spap_lib import zeroshot
+from spap_lib.evaluation import zeroshot
 
 
 def test_fingerprint_names_the_weights_not_the_object():

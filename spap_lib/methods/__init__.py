@@ -6,7 +6,16 @@ decorates with ``@register``: a new method is one new file, nothing else to edit
 import importlib
 import pkgutil
 
-from .base import METHODS, LayerProblem, Method, PruneResult, Unsupported, get_method, parse_label, register
+from spap_lib.methods.base import (
+    METHODS,
+    LayerProblem,
+    Method,
+    PruneResult,
+    Unsupported,
+    get_method,
+    parse_label,
+    register,
+)
 
 DEFAULT_METHOD = "spap"  # the paper's method: what a prune uses unless told otherwise
 

@@ -1,6 +1,6 @@
 """The interface every pruning method shares, and the method registry.
 
-The pipeline (``spap_lib.pipeline``) owns the data flow: it hands each method one ``LayerProblem``
+The pipeline (``spap_lib.pipeline.sequential``) owns the data flow: it hands each method one ``LayerProblem``
 per decoder layer, built from the *current* (already pruned upstream) activations, and writes the
 returned ``MLP`` back into the model. Methods only see tensors.
 """
@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from .. import allocation as alloc
-from ..adapters import MLP
-from ..checks import ParameterError, check_fields, scalar
-from ..linalg import (
+from spap_lib.checks import ParameterError, check_fields, scalar
+from spap_lib.methods.parts import allocation as alloc
+from spap_lib.model.adapters import MLP
+from spap_lib.numerics.linalg import (
     GRAM_BLOCKS,
     PRECISIONS,
     check_finite,

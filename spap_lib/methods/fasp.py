@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import hp
-from .base import register
-from .parts import SELECTIONS, UPDATES
-from .spap import SPAP
+from spap_lib.checks import hp
+from spap_lib.methods.base import register
+from spap_lib.methods.parts.selection import SELECTIONS, UPDATES
+from spap_lib.methods.spap.algorithm import SPAP
 
 
 @register

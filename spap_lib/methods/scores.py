@@ -13,11 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from ..adapters import MLP, Adapter
-from ..checks import hp
-from ..stats import ChannelStats
-from .base import LayerProblem, Method, PruneResult, Unsupported, highest, register
-from .parts import SCORES
+from spap_lib.checks import hp
+from spap_lib.methods.base import LayerProblem, Method, PruneResult, Unsupported, highest, register
+from spap_lib.methods.parts.selection import SCORES
+from spap_lib.model.adapters import MLP, Adapter
+from spap_lib.numerics.stats import ChannelStats
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""What a run leaves behind: manifests, checkpoints, caches, the ablation grid, figures and tables."""

@@ -1,0 +1,336 @@
+"""Calibrate once, prune many: the data flow of the ablation grid (``notebooks/03_ablate``).
+
+Per model, computed once and shared by every (method, sparsity) cell:
+* the calibration windows and the inputs of decoder layer 0 with every layer's kwargs (they depend
+  on the tokens and the attention/embedding weights, never on MLP channels);
+* the dense per-channel statistics and block angular distances that score methods (magnitude,
+  Wanda-SP, FLAP, CFSP) need: those methods do not propagate, so a cell costs no forward pass;
+* the tokenized evaluation text.
+Propagating methods (SPAP and its ablations, FASP) rerun layers 1… on their own pruned activations.
+Every cell starts from a copy of the dense model. Rows are written after every cell (atomically)
+and cells already in the table are skipped, so an interrupted grid resumes where it stopped.
+Every cell is scored at each of ``eval_seqlens`` on the first ``eval_windows`` test windows; ``Eval``
+adds a protocol for some cells only (the paper's whole test split at 2048 for the headline cells).
+Each run appends its manifest to ``<results>.manifest.json`` (a table filled by many runs keeps the
+provenance of each).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from spap_lib import api
+from spap_lib.artifact.manifest import manifest
+from spap_lib.errors import ParameterError
+from spap_lib.evaluation.data import Calibration, tokenize, wikitext
+from spap_lib.evaluation.perplexity import perplexity_of_ids
+from spap_lib.files import locked, upsert_csv, write_json_atomic
+from spap_lib.methods import Unsupported, get_method, parse_label
+from spap_lib.model.capture import first_layer_inputs
+from spap_lib.model.loading import Loaded
+from spap_lib.pipeline.resume import LayerCheckpoint
+from spap_lib.pipeline.sequential import (
+    allocation_inputs,
+    dense_pass_settings,
+    dense_stats,
+    needs_channel_stats,
+    needs_dense_stats,
+)
+
+# Columns that identify a cell: a row with the same values is not recomputed.
+KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A registered method with hyperparameters; ``label`` names it in tables and figures.
+
+    Labels are ``method`` or ``method/key=value,key=value`` (e.g. ``flap/allocation=uniform``).
+    """
+
+    label: str
+    method: str
+    hparams: dict
+
+    @classmethod
+    def parse(cls, label: str, base: dict | None = None) -> "Variant":
+        method, given = parse_label(label)
+        hparams = {**(base or {}).get(method, {}), **given}
+        get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
+        return cls(label, method, hparams)
+
+
+@dataclass(frozen=True)
+class Eval:
+    """An extra perplexity protocol for the cells whose label is in ``labels`` (all when empty) and whose
+    sparsity is in ``sparsities`` (all when empty; ``dense`` matches by label alone)."""
+
+    seqlen: int
+    windows: int | None = None  # None: the whole test split
+    labels: tuple[str, ...] = ()
+    sparsities: tuple[float, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: dict, labels: list[str] | None = None, sparsities: list[float] | None = None) -> "Eval":
+        """``spec`` from a config; with ``labels`` / ``sparsities`` (the grid's), the ones it names must be
+        among them (a typo would silently match no cell)."""
+        unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
+        if unknown or "seqlen" not in spec:
+            raise ParameterError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
+                             f"labels, sparsities")
+        from spap_lib.checks import Spec
+
+        Spec(int, ge=2).check("extra_evals seqlen", spec["seqlen"])
+        Spec(int, ge=1, optional=True).check("extra_evals windows", spec.get("windows"))
+        stray = set(spec.get("labels") or ()) - {"dense", *(labels or ())}
+        if labels is not None and stray:
+            raise ParameterError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
+                             f"(its labels: dense, {', '.join(labels)})")
+        odd = [x for x in spec.get("sparsities") or () if sparsities is not None
+               and not any(abs(float(x) - y) < 1e-9 for y in sparsities)]
+        if odd:
+            raise ParameterError(f"extra evaluation {spec!r} names sparsities {odd} that the grid does not run "
+                             f"(its sparsities: {sparsities})")
+        return cls(spec["seqlen"], spec.get("windows"), tuple(spec.get("labels") or ()),
+                   tuple(float(x) for x in spec.get("sparsities") or ()))
+
+    def applies(self, label: str, sparsity: float) -> bool:
+        if self.labels and label not in self.labels:
+            return False
+        return label == "dense" or not self.sparsities or any(abs(sparsity - s) < 1e-9 for s in self.sparsities)
+
+
+class Grid:
+    def __init__(self, model_name: str, loaded: Loaded, calib: Calibration, *, batch_size: int = 1,
+                 chunk: int = 8192, seed: int = 0, progress: bool = True, resume_root: str | Path | None = None):
+        """``resume_root``: each layer-by-layer cell saves its finished layers in a folder below it, so a
+        cell interrupted mid-way (hours on a CPU for SPAP on a 0.5B model) resumes at its next layer."""
+        self.model_name, self.loaded, self.calib = model_name, loaded, calib
+        self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
+        self.resume_root = Path(resume_root) if resume_root is not None else None
+        # Every cell prunes a fresh copy of a pristine model kept in host memory: the device holds the
+        # dense model (its perplexity, the layer-0 inputs) and one variant at a time, not three copies.
+        self.pristine = loaded.copy(device="cpu")
+        self.dense = loaded.model
+        layers = loaded.adapter.layers()
+        self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
+        # dense passes shared between cells, with what each took: "" the plain statistics, a variant's label
+        # its error curves (the same at every sparsity)
+        self._passes: dict[str, tuple[list, float]] = {}
+        self._eval_ids = None
+
+    def dense_pass(self, key: str = "", curve=None, channels: bool = True, share: float = 1.0,
+                   low: bool = False) -> tuple[list, float]:
+        """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only; on
+        the first ``share`` of the windows, ``allocation_inputs``; with bf16 products when ``low``) computed once
+        per ``key``, ``share`` and ``low``, and their seconds."""
+        key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if low else "")
+        if key not in self._passes:
+            t0 = time.perf_counter()
+            stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size),
+                                batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, curve=curve,
+                                channels=channels, low=low)
+            self._passes[key] = (stats, time.perf_counter() - t0)
+        return self._passes[key]
+
+    def eval_ids(self) -> tuple[torch.Tensor, str]:
+        if self._eval_ids is None:
+            text = wikitext("test")
+            self._eval_ids = (tokenize(self.loaded.tokenizer, text.text), text.source)
+        return self._eval_ids
+
+    def fresh(self) -> Loaded:
+        return self.pristine.copy(device=self.loaded.device)
+
+    def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
+        algo = get_method(variant.method, **variant.hparams)
+        pruned = self.fresh()
+        share, low = dense_pass_settings(algo, algo.propagates)  # as the pipeline would take the pass
+        if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
+            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=share, low=low)
+        elif not needs_dense_stats(algo, algo.propagates):
+            stats, seconds = None, 0.0
+        elif needs_channel_stats(algo, algo.propagates):
+            stats, seconds = self.dense_pass(share=share, low=low)
+        else:  # the angular distances alone: what a prune of this variant pays by itself
+            stats, seconds = self.dense_pass("blocks", channels=False, share=share, low=low)
+        report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
+                           batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
+                           stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
+        if algo.allocation != "uniform" and algo.propagates:
+            # the dense pass this cell's widths came from, computed once for the grid: a prune alone pays it
+            report["allocation_seconds"] += seconds
+        return pruned, report
+
+    def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
+        """Where a layer-by-layer cell keeps its finished layers: one folder per model, variant (with a
+        hash of its hyperparameters), sparsity, calibration size and seed. None for whole-model methods."""
+        if self.resume_root is None or get_method(variant.method, **variant.hparams).whole_model:
+            return None
+        n, seqlen = self.calib.windows.shape
+        tag = hashlib.sha256(json.dumps(variant.hparams, sort_keys=True).encode()).hexdigest()[:8]
+        cell = f"{variant.label}@{sparsity}-{n}x{seqlen}-seed{self.seed}-{tag}"
+        return self.resume_root / _slug(self.model_name) / _slug(cell)
+
+    def perplexity(self, model, seqlen: int, windows: int | None) -> dict:
+        ids, source = self.eval_ids()
+        return {**perplexity_of_ids(model, ids, seqlen, windows, progress=self.progress), "source": source}
+
+
+def _slug(name: str) -> str:
+    """A folder name from a model alias or label (``flap/bias=false`` -> ``flap_bias=false``)."""
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", name)
+
+
+def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, report: dict | None, ppl: dict,
+         windows: int | None) -> dict:
+    calib = grid.calib.describe()
+    sp = report["sparsity"] if report else {}
+    widths = sp.get("mlp_width", {}).get("pruned")
+    return {
+        "model": grid.model_name, "method": method, "label": label, "sparsity": float(sparsity),
+        "eval_seqlen": ppl["seqlen"], "eval_windows": windows if windows is not None else -1, "ppl": ppl["ppl"],
+        "achieved_sparsity": sp.get("achieved_decoder", 0.0), "achieved_total": sp.get("achieved_total", 0.0),
+        "mlp_channel_ratio": sp.get("mlp_channel_ratio", 0.0),
+        "uniform_width": not isinstance(widths, list), "propagate": report["propagate"] if report else None,
+        # A cell resumed from an earlier process's saved layers records this process's time only, and the
+        # first layer it pruned itself: the row must not read as the time of a whole prune.
+        "prune_seconds": report["seconds"] if report else 0.0,
+        "resumed_at_layer": report["resumed_at_layer"] if report else 0,
+        # deciding the per-layer widths: the dense pass (shared between a grid's cells, and then not within
+        # prune_seconds) and the allocation; 0 for uniform widths
+        "allocation_seconds": report.get("allocation_seconds", 0.0) if report else 0.0,
+        # the process's peak during the prune (the grid also holds the pristine and dense copies)
+        "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
+        "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,
+        "calib_split": calib["split"], "calib_source": calib["source"], "nsamples": calib["nsamples"],
+        "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"],
+        "hparams": json.dumps(hparams, sort_keys=True), "device": str(grid.loaded.device),
+        "resolved_hparams": resolved(method, hparams),
+    }
+
+
+def resolved(method: str, hparams: dict) -> str:
+    """Every hyperparameter the cell ran with, defaults included (``hparams`` holds the overrides only): a
+    row stays exact when a default changes later, and the grid can tell that it is stale."""
+    return "{}" if method == "dense" else json.dumps(get_method(method, **hparams).hparams(), sort_keys=True)
+
+
+def effective(method: str, hparams: dict) -> dict:
+    """The hyperparameters that decide the cell's result (``Method.effective_hparams``)."""
+    return {} if method == "dense" else get_method(method, **hparams).effective_hparams()
+
+
+def before(method: str) -> dict:
+    """What a row of ``method`` recorded before an option of ``Method.introduced`` existed ran with: its
+    default (such options were added with the earlier behaviour as their default)."""
+    if method == "dense":
+        return {}
+    algo = get_method(method)
+    defaults = algo.hparams()
+    return {k: defaults[k] for k in algo.introduced if k in defaults}
+
+
+def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool:
+    """A row ran with ``effective``: each of them recorded with the same value (keys the row records
+    beyond them are inert now), or not recorded and ``absent`` (``before``) says what it ran. Rows written
+    before the column existed record nothing and count."""
+    if not recorded:
+        return True
+    ran = {**(absent or {}), **json.loads(recorded)}
+    return all(k in ran and ran[k] == v for k, v in effective.items())
+
+
+def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
+    """A row of ``row``'s cell and protocol ran with the ``current`` effective hyperparameters: the row of
+    ``row``'s key, or another label's row of the same method that recorded the same settings (``spap/lr=0.01``
+    once 1e-2 is the default). A row whose recorded settings differ (a default changed since) is stale: the
+    cell runs again and replaces it."""
+    if table.empty:
+        return False
+    cell = pd.Series(True, index=table.index)
+    for k in KEY:
+        if k not in ("label", "hparams"):
+            cell &= table[k].astype(str) == str(row[k])
+    same_key = cell & (table["label"].astype(str) == row["label"]) & (table["hparams"].astype(str) == row["hparams"])
+    if "resolved_hparams" not in table:
+        return bool(same_key.any())
+    recorded = table["resolved_hparams"].fillna("").astype(str)
+    absent = before(method)
+    ran_these = recorded.map(lambda r: ran_with(r, current, absent))
+    same_settings = cell & (table["method"].astype(str) == method) & (recorded != "") & ran_these
+    return bool((same_key & ran_these).any() or same_settings.any())
+
+
+def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
+             eval_windows: int | None, results_csv: str | Path, resume: bool = True,
+             extra_evals: list[Eval] = ()) -> pd.DataFrame:
+    """Every variant × sparsity on one model (plus the dense reference), one row per evaluation protocol:
+    each of ``eval_seqlens`` on ``eval_windows`` windows, plus the ``extra_evals`` that apply to the cell."""
+    path = Path(results_csv)
+    # Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours.
+    table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
+
+    def add(rows: list[dict]) -> None:
+        nonlocal table
+        table = upsert_csv(path, pd.DataFrame(rows), KEY)  # re-read: another grid may write it too
+
+    def probe(label, hparams, sparsity, seqlen, windows):
+        calib = grid.calib.describe()
+        return {"model": grid.model_name, "label": label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
+                "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
+                "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
+
+    def _todo(label, method, hparams, sparsity) -> list[tuple[int, int | None]]:
+        protocols = [(s, eval_windows) for s in eval_seqlens]
+        protocols += [(e.seqlen, e.windows) for e in extra_evals if e.applies(label, sparsity)]
+        current = effective(method, hparams)
+        return [p for p in dict.fromkeys(protocols)
+                if not (resume and _done(table, probe(label, hparams, sparsity, *p), method, current))]
+
+    todo = _todo("dense", "dense", {}, 0.0)
+    if todo:
+        add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, w), w) for s, w in todo])
+    for sparsity in sparsities:
+        for v in variants:
+            todo = _todo(v.label, v.method, v.hparams, sparsity)
+            if not todo:
+                continue
+            t0 = time.perf_counter()
+            try:
+                pruned, report = grid.prune(v, sparsity)
+            except Unsupported as err:  # refused before any work: say so, keep the grid going
+                print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
+                continue
+            for s, w in todo:  # row by row: a long evaluation interrupted keeps the rows already scored
+                ppl = grid.perplexity(pruned.model, s, w)
+                add([_row(grid, v.label, v.method, v.hparams, sparsity, report, ppl, w)])
+            layers_dir = grid.resume_dir(v, sparsity)
+            if layers_dir is not None:  # the rows are written: the cell's finished layers are not needed any more
+                LayerCheckpoint(layers_dir, {}).clear()
+            if grid.progress:
+                print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
+                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            del pruned
+    return pd.read_csv(path)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
+
+
+def record_run(results_csv: str | Path, **fields) -> Path:
+    """Append this run's manifest (versions, git revision, parameters) to ``<results>.manifest.json``.
+
+    The table is filled by many runs (models, methods and sparsities added over time, resumed cells):
+    the file keeps every run's manifest under ``runs`` instead of the last run's only.
+    """
+    path = Path(results_csv).with_suffix(".manifest.json")
+    with locked(path):  # two grids starting together each keep their entry
+        old = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+        runs = old["runs"] if "runs" in old else [old]  # a file written before the log: its one run
+        write_json_atomic(path, {"runs": [*runs, manifest(**fields)]})
+    return path

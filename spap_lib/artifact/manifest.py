@@ -1,0 +1,200 @@
+"""What a run leaves behind and where it may leave it: manifests, checkpoint folders, the out_dir policy.
+
+* ``manifest``: versions, git revision, host, CPU and the run's own fields, written beside every output.
+* ``check_out_dir``: a checkpoint directory is written only where it is new, empty, or holds a
+  previous spap checkpoint (with ``overwrite``); never over a foreign directory, the source model
+  or the run folder. Checked before any work and again just before the swap.
+* ``save_pruned``: model, tokenizer, manifest and extra files into one directory, installed atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+from spap_lib.errors import OutputError, option
+from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic
+
+MANIFEST = "spap_manifest.json"
+
+
+PLAN = "spap_plan.json"
+
+
+CHECKPOINT_FORMAT = 1
+
+
+def read_checkpoint_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest of a spap checkpoint directory, or None if ``path`` is not one."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    if "spap_checkpoint" in manifest:
+        return manifest
+    # Checkpoints written before the format marker: spap's version and a method in the manifest.
+    legacy = isinstance(manifest.get("versions"), dict) and "spap" in manifest["versions"] and "method" in manifest
+    return manifest if legacy else None
+
+
+def _writable(directory: Path) -> None:
+    """Create and remove a probe entry: the only test that also holds for read-only mounts."""
+    probe = directory / f".spap-probe-{os.getpid()}-{secrets.token_hex(3)}"
+    try:
+        os.mkdir(probe)
+        os.rmdir(probe)
+    except OSError as err:
+        raise OutputError(f"cannot write in {directory} ({err.strerror}): choose an out_dir in a writable "
+                          "directory") from None
+
+
+def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
+                  protect: dict[str, str | os.PathLike] | None = None) -> str:
+    """Refuse, before any work, an ``out_dir`` that spap may not (re)write; say why and what to do.
+
+    Allowed: a path that does not exist, an empty directory, or (``overwrite=True``) a previous spap
+    checkpoint holding only the files its manifest lists. ``protect`` maps a description to a path
+    that must survive (the source model, the run folder): ``out_dir`` may be neither it nor an
+    ancestor of it. Returns ``"new"``, ``"empty"`` or ``"checkpoint"``.
+    """
+    if not isinstance(overwrite, bool):
+        raise OutputError(f"overwrite must be True or False, got {overwrite!r}")
+    if not str(out_dir).strip() or Path(out_dir).name in ("", ".", ".."):
+        raise OutputError(f"out_dir {str(out_dir)!r} names no new folder (the checkpoint is written beside it and "
+                          f"moved into place): give a folder name, e.g. {option('out', 'pruned')}")
+    out = Path(out_dir).expanduser().absolute()
+    real = out.resolve()
+    for what, keep in (protect or {}).items():
+        keep = Path(keep).expanduser().resolve()
+        if real == keep or real in keep.parents:
+            raise OutputError(f"out_dir {out} would replace {what} ({keep}): choose another out_dir")
+    if out.parent.is_dir():
+        clean_leftovers(out)  # an interrupted earlier run: restore or remove what it left
+    state = "new"
+    if os.path.lexists(out):
+        if not out.is_dir():
+            raise OutputError(f"out_dir {out} exists and is not a directory: choose another out_dir")
+        names = sorted(p.name for p in out.iterdir())
+        state = "empty"
+        if names:
+            manifest = read_checkpoint_manifest(out)
+            if manifest is None:
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise OutputError(f"out_dir {out} is not empty and is not a spap checkpoint (it holds {shown}): "
+                                  "spap never replaces a directory it did not write. Choose a new or empty out_dir.")
+            listed = manifest.get("spap_checkpoint", {}).get("files")
+            extra = sorted(set(names) - set(listed)) if listed is not None else []
+            if extra:
+                raise OutputError(f"out_dir {out} holds a spap checkpoint and files spap did not write "
+                                  f"({', '.join(extra[:5])}): move them away or choose another out_dir")
+            if not overwrite:
+                what = f"{manifest.get('method', '?')} at sparsity {manifest.get('sparsity', {}).get('requested', '?')}"
+                raise OutputError(f"out_dir {out} holds a previous spap checkpoint "
+                                  f"({what}, {manifest.get('created', '')}): "
+                                  f"pass {option('overwrite')} to replace it, or choose another out_dir")
+            state = "checkpoint"
+            _writable(out)  # its old files are removed after the swap
+    parent = out.parent
+    while not parent.exists():  # parents are created on save; the first existing one must be writable
+        parent = parent.parent
+    _writable(parent)
+    return state
+
+
+# -- manifests ----------------------------------------------------------------------------------
+
+
+def git_revision() -> str | None:
+    try:
+        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("spap", "torch", "transformers", "datasets", "gguf", "lm_eval", "papermill"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def cpu_name() -> str:
+    """The processor's model name: a CPU's kernels (bf16 products, above all) differ between processors, and so do
+    the last digits of a CPU run's results (``make main``: 37.916 on one x86 CPU, 37.924 on another)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device) -> str:
+    """What a measurement ran on, for a benchmark's header: the GPU's name, or the CPU's with its threads."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} threads"
+
+
+def manifest(**fields) -> dict:
+    """Versions, git revision, host and time, plus whatever the run adds (parameters, seed, …); the host's CPU with
+    the kernels its bf16 products run on (``bf16.kernels``)."""
+    import torch
+
+    from spap_lib.numerics import bf16
+
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "git_revision": git_revision(),
+        "versions": versions(),
+        "host": {"machine": platform.machine(), "cpu": cpu_name(), "cuda": torch.cuda.is_available(),
+                 "threads": torch.get_num_threads(), "bf16_products": bf16.kernels("cpu")},
+        **fields,
+    }
+
+
+def write_manifest(path: str | os.PathLike, **fields) -> None:
+    """``manifest(**fields)`` written atomically to ``path``: what a notebook leaves beside its table."""
+    write_json_atomic(path, manifest(**fields))
+
+
+def save_pruned(model, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict,
+                extra_files: dict[str, object] | None = None, *, overwrite: bool = False,
+                protect: dict | None = None, check=None, write=None) -> Path:
+    """``save_pretrained`` (safetensors) + tokenizer + JSON files + manifest, installed atomically.
+
+    ``write(tmp)`` replaces ``model.save_pretrained`` (an offloaded model writes its own shards).
+    ``check(tmp) -> dict`` runs on the finished scratch copy before it is installed (the reload
+    check): if it raises, ``out_dir`` is left exactly as it was. Its result is stored in the
+    manifest under ``checks``. Stock-loadable.
+    """
+    check_out_dir(out_dir, overwrite=overwrite, protect=protect)
+    with atomic_dir(out_dir) as tmp:
+        (write or (lambda folder: model.save_pretrained(folder, safe_serialization=True)))(tmp)
+        tokenizer.save_pretrained(tmp)
+        for name, obj in (extra_files or {}).items():
+            write_json_atomic(tmp / name, obj)
+        checks = check(tmp) if check else {}
+        files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
+        write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,
+                                           "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files}})
+        check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # unchanged while we worked?
+    return Path(out_dir)

@@ -1,0 +1,112 @@
+"""WikiText-2 raw: calibration windows and the evaluation token stream.
+
+Text comes from a local data directory when it holds the split (``$SPAP_DATA_DIR``, default the
+repo's ``data/``; layout in ``data/README.md``), else from the Hugging Face hub when reachable.
+Calibration wants the *train* split (as the paper); without it, it falls back to *validation* and
+says so in ``source``: every result records where its calibration text came from.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from spap_lib.errors import ParameterError
+from spap_lib.model.sources import hub_reachable
+
+WIKITEXT = "wikitext-2-raw-v1"
+
+
+SPLIT_FILES = {"train": "wiki.train.raw", "validation": "wiki.valid.raw", "test": "wiki.test.raw"}
+
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("SPAP_DATA_DIR", REPO_DATA)).expanduser()
+
+
+def read_raw(path: Path) -> list[str]:
+    """Rows of a ``wiki.*.raw`` file exactly as the HF dataset has them (blank lines → "")."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    return [line if line.strip() else "" for line in lines]
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+    split: str
+    # "local:wikitext-2-raw-v1/wiki.valid.raw sha256:<16 hex>" (relative to the data directory: results name
+    # the file and its content, not a machine's path) or "hub:wikitext/wikitext-2-raw-v1 fingerprint:<hex>"
+    source: str
+
+
+def wikitext(split: str) -> Text:
+    """One split as ``"\\n\\n".join(rows)`` (the standard LLM-pruning protocol)."""
+    local = data_dir() / WIKITEXT / SPLIT_FILES[split]
+    if local.is_file():
+        digest = hashlib.sha256(local.read_bytes()).hexdigest()[:16]
+        return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
+    if hub_reachable():
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", WIKITEXT, split=split)
+        return Text("\n\n".join(rows["text"]), split, f"hub:wikitext/{WIKITEXT} fingerprint:{rows._fingerprint}")
+    raise FileNotFoundError(
+        f"WikiText-2 {split} split not found: looked for {local} and the hub is unreachable. "
+        f"Set SPAP_DATA_DIR to a directory holding {WIKITEXT}/{SPLIT_FILES[split]} "
+        f"(see data/README.md), e.g. SPAP_DATA_DIR=../shared/data."
+    )
+
+
+def calibration_text() -> Text:
+    """The train split if available, otherwise the validation split (recorded in ``split``)."""
+    try:
+        return wikitext("train")
+    except FileNotFoundError:
+        return wikitext("validation")
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """The whole text as one ``[T]`` id tensor (tokenized once; long-input warnings are moot)."""
+    return tokenizer(text, return_tensors="pt", verbose=False).input_ids[0]
+
+
+@dataclass
+class Calibration:
+    windows: torch.Tensor  # [nsamples, seqlen]
+    starts: torch.Tensor  # [nsamples] token offset of each window in the corpus
+    split: str
+    source: str
+    corpus_tokens: int
+    seed: int
+
+    def describe(self) -> dict:
+        n, seqlen = self.windows.shape
+        return {"nsamples": n, "seqlen": seqlen, "tokens": n * seqlen, "split": self.split,
+                "source": self.source, "corpus_tokens": self.corpus_tokens, "seed": self.seed}
+
+
+def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, text: Text | None = None) -> Calibration:
+    """``nsamples`` random windows of ``seqlen`` tokens (SparseGPT/Wanda protocol), seeded."""
+    from spap_lib.checks import Spec
+
+    Spec(int, ge=1).check("nsamples", nsamples)
+    Spec(int, ge=2).check("seqlen", seqlen)
+    Spec(int, ge=0).check("seed", seed)
+    text = text or calibration_text()
+    ids = tokenize(tokenizer, text.text)
+    if ids.numel() < nsamples * seqlen + 1:
+        raise ParameterError(
+            f"too few calibration tokens: {nsamples} x {seqlen} = {nsamples * seqlen} requested but the "
+            f"{text.split} split ({text.source}) has {ids.numel()} tokens. Lower nsamples or seqlen, or "
+            f"provide the train split ({WIKITEXT}/{SPLIT_FILES['train']} in SPAP_DATA_DIR)."
+        )
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seqlen, (nsamples,), generator=gen)
+    windows = torch.stack([ids[s:s + seqlen] for s in starts.tolist()])
+    return Calibration(windows, starts, text.split, text.source, ids.numel(), seed)

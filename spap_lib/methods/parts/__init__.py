@@ -1,0 +1,1 @@
+"""The three parts a layer-wise method is composed of: channel selections, width allocations, weight updates."""

@@ -1,0 +1,54 @@
+"""SliceGPT (Ashkboos et al., ICLR 2024) in the same harness: a whole-model method (its maths: ``slicing``).
+
+``sparsity`` is SliceGPT's: the fraction of the residual-stream ("embedding") dimension sliced away in
+every block. The parameters actually removed (shortcut matrices added, the head untied from tied
+embeddings) are counted from the real tensors in every report, next to it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+from spap_lib.checks import hp
+from spap_lib.methods.base import Method, Shapes, chunks_of, register
+
+
+@register
+@dataclass
+class SliceGPT(Method):
+    name = "slicegpt"
+    whole_model: ClassVar[bool] = True
+    fits: ClassVar[bool] = False
+    round_to: int = hp(8, ge=1)  # kept dimension rounded down to a multiple (official --round-interval)
+
+    @classmethod
+    def fixed_parts(cls) -> str:
+        return ("it rotates and slices the residual stream of the whole model: there are no MLP channels to select, "
+                "allocate over layers or update")
+
+    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
+        # per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)
+        return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3),
+                                                  "steps": 3 * (chunks_of(s.N, s.chunk) + 1)}}
+
+    def working_set(self, s: Shapes) -> dict[str, float]:
+        # the head untied from tied embeddings, the float64 PCA Gram and one chunk
+        return {**({"untied head copy": s.vocab * s.d * s.b} if s.tied else {}),
+                "PCA Gram (float64)": 2 * s.d * s.d * 8 + min(s.chunk, s.N) * s.d * 8}
+
+    def prepare(self, adapter) -> None:
+        from spap_lib.methods.slicegpt.slicing import layout_of
+
+        layout_of(adapter.model)  # an architecture it cannot rotate is refused before any work
+
+    def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
+        from spap_lib.methods.slicegpt.slicing import fuse_norms, plan_of, rotate_and_slice, sliced_dim
+
+        t0 = time.perf_counter()
+        model = loaded.model
+        k = sliced_dim(model.config.hidden_size, sparsity, self.round_to)
+        layout = fuse_norms(model)
+        dims = rotate_and_slice(model, layout, calib.windows, k, batch_size=batch_size, device=loaded.device)
+        return {"seconds": time.perf_counter() - t0, "layers": dims, "plan": plan_of(model, layout, dims),
+                "sliced_dim": k, "hidden_size": model.config.hidden_size}

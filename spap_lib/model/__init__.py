@@ -1,0 +1,1 @@
+"""The model: resolving a name to weights, loading, per-architecture adapters, offloading, running layers."""

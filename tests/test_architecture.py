@@ -1,0 +1,75 @@
+"""The package's layout is its data path, and imports only go down it (docs/architecture.md)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "spap_lib"
+# Bottom to top. The foundation (errors, argument checks, atomic files) serves every layer; ``api`` (``sl.prune``)
+# sits between evaluation and the artifact layer, whose grid runs prunes; the entry points above may import all.
+FOUNDATION = ("errors", "checks", "files")
+LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "api", "artifact")
+ENTRY = ("validate", "plan", "cli", "nbparams")
+
+
+def _rank(module: str) -> int | None:
+    """A module's layer: -1 for the foundation, the index in LAYERS, len(LAYERS) for an entry point."""
+    top = module.split(".")[1] if "." in module else None
+    if top in FOUNDATION:
+        return -1
+    if top in LAYERS:
+        return LAYERS.index(top)
+    return len(LAYERS) if top in ENTRY or top is None else None
+
+
+def _imports(tree: ast.Module):
+    """Every ``spap_lib`` module imported, at any depth, except under ``if TYPE_CHECKING:`` (annotations only)."""
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("spap_lib"):
+            if node.module == "spap_lib":
+                yield from ((node.lineno, f"spap_lib.{a.name}") for a in node.names)
+            else:
+                yield node.lineno, node.module
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names if a.name.startswith("spap_lib"))
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        yield path, ".".join(p for p in parts if p != "__init__")
+
+
+def test_every_module_belongs_to_a_layer():
+    """A new top-level module is a decision (the layout is the data path), not an accident."""
+    stray = [name for _, name in _modules() if name != "spap_lib" and _rank(name) is None]
+    assert not stray, f"{stray}: put them in a layer package, or add them to FOUNDATION/LAYERS/ENTRY with a reason"
+
+
+@pytest.mark.parametrize("path,name", list(_modules()), ids=lambda v: v if isinstance(v, str) else "")
+def test_imports_only_go_down_the_data_path(path, name):
+    """Methods never import the pipeline or what a run leaves behind; nothing imports a layer above its own."""
+    if name == "spap_lib":
+        return
+    up = _upward(name, path.read_text())
+    assert not up, up
+
+
+def _upward(name: str, source: str) -> list[str]:
+    own = _rank(name)
+    return [f"{name}:{line} imports {target}" for line, target in _imports(ast.parse(source))
+            if (rank := _rank(target)) is not None and rank > own]
+
+
+def test_the_rule_finds_an_upward_import_even_inside_a_function():
+    """Not vacuous: a method importing the pipeline is found, in a function too; an annotation-only import is not."""
+    lazy = "def f():\n    from spap_lib.pipeline.sequential import prune_model\n"
+    typing = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from spap_lib.model.adapters import MLP\n"
+    assert _upward("spap_lib.methods.x", lazy) == ["spap_lib.methods.x:2 imports spap_lib.pipeline.sequential"]
+    assert _upward("spap_lib.numerics.x", typing) == []
+    assert _upward("spap_lib.numerics.x", "from spap_lib import api\n") == [
+        "spap_lib.numerics.x:1 imports spap_lib.api"]
