@@ -21,7 +21,7 @@ from spap_lib.artifact.figures import UPDATE_LABELS, load_rows, markdown_table
 from spap_lib.files import write_text_atomic
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # where rendered blocks may live
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # where rendered blocks may live
 PAPER_CSV = REPO / "results" / "paper_tables.csv"
 
 

@@ -33,18 +33,81 @@ def test_code_lints_clean():
 
 
 def test_readme_is_a_short_manual_with_docs_for_the_depth():
-    """README.md stays a manual a newcomer reads in minutes; every docs/ page exists and is linked from it, and
-    no committed text carries a path of the machine that made it."""
+    """README.md stays a manual a newcomer reads in minutes; every top-level docs/ page exists and is linked from
+    it, every page of a folder docs/<name>/ is linked from its index docs/<name>.md, and no committed text carries
+    a path of the machine that made it."""
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
     pages = sorted(p.name for p in (REPO / "docs").glob("*.md"))
     assert {"method.md", "results.md", "scale.md", "reliability.md", "parameters.md", "reproduce.md"} <= set(pages)
     assert all(f"(docs/{page})" in readme for page in pages)
+    folders = sorted(p for p in (REPO / "docs").iterdir() if p.is_dir())
+    assert "results" in {folder.name for folder in folders}
+    for folder in folders:
+        index = (REPO / "docs" / f"{folder.name}.md").read_text()  # a folder of pages has an index beside it
+        unlinked = [page.name for page in sorted(folder.glob("*.md"))
+                    if not re.search(rf"\({re.escape(folder.name)}/{re.escape(page.name)}(#[^)]*)?\)", index)]
+        assert not unlinked, f"docs/{folder.name}.md does not link {unlinked}"
     home = str(Path.home())
-    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "results").glob("*.*"),
+    for path in [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "results").glob("*.*"),
                  *(REPO / "bench" / "results").glob("*.md")]:
         text = path.read_text()
         assert str(REPO) not in text and f"{home}/" not in text, path
+
+
+def test_every_docs_page_is_at_most_300_lines():
+    """A docs page answers one question; a longer one is split into pages linked from an index."""
+    long = {str(p.relative_to(REPO)): n for p in sorted((REPO / "docs").rglob("*.md"))
+            if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, long
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: its text (link targets and markup dropped), lowercase, punctuation removed,
+    spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    """Every heading's anchor outside code fences; a repeated one gets -1, -2, ... as on GitHub."""
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in text.splitlines():
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced and (m := re.match(r"#{1,6} (.*)", line)):
+            slug = _slug(m.group(1))
+            seen[slug] = seen.get(slug, -1) + 1
+            if seen[slug]:
+                seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def _links(text: str):
+    """(line number, target) of every markdown link and image outside code fences and code spans."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        fenced ^= line.lstrip().startswith("```")
+        if not fenced:
+            for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+                yield number, target
+
+
+def test_every_relative_link_in_readme_and_docs_resolves():
+    """A relative link in README.md or a docs page names a file that exists, and a `page.md#anchor` link a
+    heading of that page (web links and links within the page are not checked)."""
+    bad = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]:
+        for number, target in _links(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path, _, anchor = target.partition("#")
+            where = f"{page.relative_to(REPO)}:{number}: {target}"
+            if not (page.parent / path).exists():
+                bad.append(f"{where} (no such file)")
+            elif anchor and path.endswith(".md") and anchor not in _anchors((page.parent / path).read_text()):
+                bad.append(f"{where} (no such heading)")
+    assert not bad, bad
 
 
 def _cells(line: str) -> int:
@@ -64,7 +127,8 @@ def _markdown_tables(text: str):
             table = []
 
 
-@pytest.mark.parametrize("page", ["README.md", "docs/*.md", "results/*.md", "bench/results/*.md", "data/*.md"])
+@pytest.mark.parametrize("page", ["README.md", "docs/**/*.md", "results/*.md", "bench/results/*.md",
+                                  "data/*.md"])
 def test_every_table_row_has_its_headers_columns(page):
     """GitHub splits a table cell at every unescaped `|`, inside code spans too, so `Σ|W|` in a cell shifts the
     rest of its row; it must be written `Σ\\|W\\|`."""
