@@ -22,7 +22,7 @@ from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import git_revision
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.model.capture import first_layer_inputs
-from spap_lib.pipeline.sequential import dense_pass_settings, dense_stats, needs_channel_stats
+from spap_lib.pipeline.sequential import dense_stats
 
 SETTINGS = ("full", "bf16")
 
@@ -50,10 +50,11 @@ def main(argv=None) -> None:
     for r in range(args.repeat):
         for p in SETTINGS if r % 2 == 0 else SETTINGS[::-1]:  # alternate which runs first
             method = methods[p]
-            curve = method.error_curve if method.allocation == "error" else None
+            dense = method.dense_pass(True)
+            curve = method.error_curve if dense.curves else None
             t0 = time.perf_counter()
-            stats[p] = dense_stats(adapter, inputs, curve=curve, channels=needs_channel_stats(method, True),
-                                   low=dense_pass_settings(method, True)[1], progress=False)
+            stats[p] = dense_stats(adapter, inputs, curve=curve, channels=dense.channels, low=dense.bf16,
+                                   progress=False)
             seconds[p].append(time.perf_counter() - t0)
             print(p, round(seconds[p][-1], 2), flush=True)
     width = adapter.width(adapter.layers()[0])

@@ -345,7 +345,7 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     # MLP, reading the attention's kept outputs (``capture.replay``); a non-uniform allocation first makes one
     # dense pass, over its share of the windows (``allocation_sample``), at its products' rate
     # (``allocation_precision``). Without propagation, one dense pass.
-    allocating = algo.allocation != "uniform" and algo.propagates
+    allocating = not algo.uniform_widths and algo.propagates
     passes = (2 if algo.propagates else 1) + (algo.allocation_tokens(N) / N if allocating else 0)
     work = attention + mlp * (n_keep / n if algo.propagates else 1)
     dense_rate = rates[bf16_rate] if algo.allocation_precision == "bf16" else model_rate

@@ -47,7 +47,7 @@ class RunCheck:
     def summary(self) -> str:
         lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
                  f"context {self.context or 'unknown'} tokens"]
-        uniform = self.method is None or self.method.allocation == "uniform"
+        uniform = self.method is None or self.method.uniform_widths
         if self.method is not None:
             lines.append(f"method {self.method.name}: {self.method.effective_hparams()}")  # the settings that act
             if self.method.parts():

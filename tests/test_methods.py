@@ -478,13 +478,12 @@ def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp
 def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_only(windows, tiny_tokenizer,
                                                                                        monkeypatch):
     """Its widths read the blocks' angular distances alone: the dense pass keeps no MLP inputs and measures no
-    channel (``allocation.READS_CHANNELS``), and the widths are those of a pass that measures everything."""
+    channel (the allocation's ``needs``), and the widths are those of a pass that measures everything."""
     from conftest import tiny_model
 
     from spap_lib.model.loading import Loaded
     from spap_lib.model.sources import ModelSource
     from spap_lib.numerics import stats
-    from spap_lib.pipeline import sequential as pipeline
 
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
@@ -494,7 +493,7 @@ def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_
     real = stats.ChannelStats.of
     monkeypatch.setattr(stats.ChannelStats, "of", classmethod(lambda cls, *a, **k: measured.append(1) or real(*a, **k)))
     method = sl.get_method("spap", **FAST, allocation="angular")
-    assert not pipeline.needs_channel_stats(method, propagate=True)
+    assert not method.dense_pass(propagate=True).channels
     blocks = dense_stats(loaded.adapter, inputs, progress=False, channels=False)
     assert not measured and [s.angular for s in blocks] == [s.angular for s in full]
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
@@ -526,7 +525,7 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     first = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows[:half], 1, torch.device("cpu"))
     curve = method.error_curve if allocation == "error" else None
     expected_stats = dense_stats(loaded.adapter, first, progress=False, curve=curve,
-                                 channels=pipeline.needs_channel_stats(method, True))
+                                 channels=method.dense_pass(True).channels)
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     expected = method.removals(expected_stats, plan.width, plan.n_remove * len(expected_stats))
     read, real = [], pipeline.dense_stats
@@ -537,6 +536,42 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     assert [layer["removed"] for layer in report["layers"]] == expected
     assert sum(expected) == plan.n_remove * len(expected_stats)
     assert "allocation_sample" not in sl.get_method("spap", allocation_sample=0.5).effective_hparams()  # uniform
+
+
+def test_a_new_allocation_is_one_registered_entry_that_spap_composes_with(windows, tiny_tokenizer, monkeypatch):
+    """Registering an allocation makes it a valid ``allocation`` of SPAP at once; the pipeline takes the dense
+    pass its ``needs`` declare (here the blocks' angular distances alone) and the widths its ``split`` gives."""
+    from conftest import tiny_model
+
+    from spap_lib.methods.parts.allocation import ALLOCATIONS, Allocation
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+    from spap_lib.pipeline import sequential as pipeline
+
+    def last_layers_first(method, stats, width, total, scores):
+        counts = [0] * len(stats)
+        for i in reversed(range(len(stats))):
+            counts[i] = min(width - 1, total - sum(counts))
+        return counts
+
+    monkeypatch.setitem(ALLOCATIONS, "last_first", Allocation("last_first", frozenset({"dense_pass"}),
+                                                              split=last_layers_first))
+    model = tiny_model("llama")
+    loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
+    taken, real = [], pipeline.dense_stats
+    monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: taken.append(k["channels"]) or
+                        real(adapter, inputs, **k))
+    method = sl.get_method("spap", **FAST, allocation="last_first")
+    assert not method.uniform_widths and not method.dense_pass(True).channels
+    plan = sl.plan_sparsity(loaded.adapter, 0.3)
+    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": "last_first"},
+                      progress=False)
+    layers = len(report["layers"])
+    assert taken == [False]
+    assert [layer["removed"] for layer in report["layers"]] == \
+        last_layers_first(method, [None] * layers, plan.width, plan.n_remove * layers, None)
+    with pytest.raises(sl.ParameterError, match="supports allocation"):
+        sl.get_method("cfsp", allocation="last_first")  # a baseline offers the allocations it declares
 
 
 def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_products(windows, tiny_tokenizer,
@@ -567,8 +602,10 @@ def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_prod
     assert max(abs(a.angular - b.angular) / b.angular for a, b in zip(low, full)) > 1e-4  # bf16, not float32
     hparams = {**FAST, "allocation": "angular", "allocation_precision": "bf16"}
     method = sl.get_method("spap", **hparams)
-    assert pipeline.dense_pass_settings(method, propagate=True) == (1.0, True)
-    assert pipeline.dense_pass_settings(sl.get_method("cfsp"), propagate=False) == (1.0, False)
+    dense = method.dense_pass(propagate=True)
+    assert (dense.share, dense.bf16, dense.scores) == (1.0, True, False)
+    dense = sl.get_method("cfsp").dense_pass(propagate=False)  # a score method's own statistics: every window
+    assert (dense.share, dense.bf16, dense.scores, dense.channels) == (1.0, False, True, True)
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     taken, real = [], pipeline.dense_stats
     monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: taken.append(k["low"]) or

@@ -36,13 +36,7 @@ from spap_lib.methods import Unsupported, get_method, parse_label
 from spap_lib.model.capture import first_layer_inputs
 from spap_lib.model.loading import Loaded
 from spap_lib.pipeline.resume import LayerCheckpoint
-from spap_lib.pipeline.sequential import (
-    allocation_inputs,
-    dense_pass_settings,
-    dense_stats,
-    needs_channel_stats,
-    needs_dense_stats,
-)
+from spap_lib.pipeline.sequential import allocation_inputs, dense_stats
 
 # Columns that identify a cell: a row with the same values is not recomputed.
 KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
@@ -152,19 +146,19 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        share, low = dense_pass_settings(algo, algo.propagates)  # as the pipeline would take the pass
-        if algo.allocation == "error":  # the curves are the variant's own, the same at every sparsity
-            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=share, low=low)
-        elif not needs_dense_stats(algo, algo.propagates):
+        dense = algo.dense_pass(algo.propagates)  # as the pipeline would take the pass
+        if dense is None:
             stats, seconds = None, 0.0
-        elif needs_channel_stats(algo, algo.propagates):
-            stats, seconds = self.dense_pass(share=share, low=low)
+        elif dense.curves:  # the curves are the variant's own, the same at every sparsity
+            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=dense.share, low=dense.bf16)
+        elif dense.channels:
+            stats, seconds = self.dense_pass(share=dense.share, low=dense.bf16)
         else:  # the angular distances alone: what a prune of this variant pays by itself
-            stats, seconds = self.dense_pass("blocks", channels=False, share=share, low=low)
+            stats, seconds = self.dense_pass("blocks", channels=False, share=dense.share, low=dense.bf16)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
-        if algo.allocation != "uniform" and algo.propagates:
+        if not algo.uniform_widths and algo.propagates:
             # the dense pass this cell's widths came from, computed once for the grid: a prune alone pays it
             report["allocation_seconds"] += seconds
         return pruned, report

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from spap_lib.checks import ParameterError, check_fields, scalar
-from spap_lib.methods.parts import allocation as alloc
+from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.linalg import (
     GRAM_BLOCKS,
@@ -166,6 +166,18 @@ class LayerProblem:
         return PruneResult(self.dense.select(keep), keep, {**(info or {}), "nothing_to_fit": True})
 
 
+@dataclass(frozen=True)
+class DensePass:
+    """The pass over the dense model a composed method needs before its first layer is pruned
+    (``Method.dense_pass``): what it measures and how it runs."""
+
+    scores: bool  # it gives the method's channels (a score method without propagation): no layer loop follows
+    channels: bool  # it measures every channel (``ChannelStats.of``), not only each block's angular distance
+    curves: bool  # it takes every layer's error curve (``Method.error_curve``)
+    share: float  # of the calibration windows it reads (``pipeline.sequential.allocation_inputs``)
+    bf16: bool  # its replay's products in bf16 (``linalg.products``)
+
+
 class Unsupported(ParameterError):
     """A method cannot prune this architecture (raised by ``Method.prepare``, before any work)."""
 
@@ -256,16 +268,26 @@ class Method:
         raise NotImplementedError
 
     def removals(self, stats: list, width: int, total: int, scores: list[torch.Tensor] | None = None) -> list[int]:
-        """Channels to remove per layer, summing to ``total`` (``stats``: dense ``ChannelStats``;
-        ``scores``: every layer's ``allocation_scores``, for ``allocation="global"``)."""
-        choice = self.allocation
-        if choice == "global":
-            return alloc.global_standardized(scores, total)
-        if choice == "angular":
-            return alloc.angular([s.angular for s in stats], width, total, a=self.a, scale=self.scale)
-        if choice == "error":
-            return alloc.by_error([s.curve for s in stats], total)
-        return [total // len(stats)] * len(stats)
+        """Channels to remove per layer, summing to ``total``, by the registered allocation (``stats``: dense
+        ``ChannelStats``; ``scores``: every layer's ``allocation_scores``, where the allocation needs them)."""
+        return ALLOCATIONS[self.allocation].split(self, stats, width, total, scores)
+
+    @property
+    def uniform_widths(self) -> bool:
+        """Every layer keeps the same width: the allocation needs no dense pass (a stock-loadable checkpoint)."""
+        return "dense_pass" not in ALLOCATIONS[self.allocation].needs
+
+    def dense_pass(self, propagate: bool) -> DensePass | None:
+        """The one question the pipeline asks before the first layer: which dense pass this composition needs,
+        if any. A score method without propagation takes its scores from it (every window, the model's
+        precision); an allocation that needs one takes it on ``allocation_sample`` at ``allocation_precision``."""
+        needs = ALLOCATIONS[self.allocation].needs
+        if self.scores_dense and not propagate:
+            return DensePass(scores=True, channels=True, curves="curves" in needs, share=1.0, bf16=False)
+        if "dense_pass" not in needs:
+            return None
+        return DensePass(scores=False, channels="channel_stats" in needs, curves="curves" in needs,
+                         share=self.allocation_sample, bf16=self.allocation_precision == "bf16")
 
     def allocation_tokens(self, N: int) -> int:
         """Of ``N`` calibration tokens, about how many the dense pass that decides the widths reads
@@ -299,7 +321,7 @@ class Method:
         synchronisation whatever its size). The calibration forward passes and the evaluation are the plan's
         own. Here: a fitting method's dense Gram pass (with the targets ``Y`` where it uses them) and one
         least-squares refit, or a score method's channel statistics; and, for an allocation that reads the dense
-        channels (``allocation.READS_CHANNELS``), the dense pass's channel statistics of a fitting method."""
+        channels (its ``needs``: ``channel_stats``), the dense pass's channel statistics of a fitting method."""
         chunks = chunks_of(s.N, s.chunk)
         stats = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks}  # every channel's Z over the tokens
         if not self.fits:
@@ -308,7 +330,7 @@ class Method:
         targets = 2 * s.N * s.d * s.n if self.uses_targets else 0  # Y = W Z from the same pass
         Na = self.allocation_tokens(s.N)  # the dense pass that decides the widths
         allocating = {"dense channel statistics": {"fp32": 2 * s.in_proj * Na * s.d * s.n, "steps": chunks_of(
-            Na, s.chunk)}} if alloc.READS_CHANNELS[self.allocation] else {}
+            Na, s.chunk)}} if "channel_stats" in ALLOCATIONS[self.allocation].needs else {}
         return {**allocating, "dense Gram pass": {"fp32": gram + targets, "steps": chunks},
                 "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}
 

@@ -15,7 +15,7 @@ import torch
 
 from spap_lib.checks import hp
 from spap_lib.methods.base import LayerProblem, Method, PruneResult, Unsupported, highest, register
-from spap_lib.methods.parts.selection import SCORES
+from spap_lib.methods.parts.selection import SELECTIONS
 from spap_lib.model.adapters import MLP, Adapter
 from spap_lib.numerics.stats import ChannelStats
 
@@ -32,7 +32,7 @@ class ScoreMethod(Method):
     selection: ClassVar[str] = ""  # the part of ``parts.SELECTIONS`` this method's score is
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
-        return SCORES[self.selection](mlp, stats)
+        return SELECTIONS[self.selection].score(mlp, stats)
 
     def parts(self) -> dict[str, str]:
         return {"select": self.selection, "allocation": self.allocation, "update": "none"}

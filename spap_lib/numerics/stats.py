@@ -51,7 +51,7 @@ class ChannelStats:
     @classmethod
     def blocks_only(cls, N: int) -> "ChannelStats":
         """No channel statistics, only room for the block's angular distance (an allocation that reads nothing
-        else: ``allocation.READS_CHANNELS``); reading a channel's statistics from it fails."""
+        else: an allocation whose ``needs`` lack ``channel_stats``); reading a channel's statistics from it fails."""
         return cls(N, None, None)
 
     @classmethod

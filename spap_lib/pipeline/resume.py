@@ -178,7 +178,7 @@ def code_modules(method_cls) -> list:
 
     from spap_lib.methods.parts import allocation
     from spap_lib.methods.parts import (
-        selection as parts,  # its tables (``SCORES``) name no module, so the search below may not find it
+        selection as parts,  # its registries name no module, so the search below may not find it
     )
     from spap_lib.numerics import linalg, stats
     from spap_lib.pipeline import sequential as pipeline

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from spap_lib.methods import LayerProblem, Method
 from spap_lib.methods.parts import allocation as alloc
+from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.methods.scores import ScoreMethod
 from spap_lib.model.adapters import Adapter
 from spap_lib.model.capture import first_layer_inputs, replay
@@ -70,21 +71,6 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     return stats
 
 
-def scores_from_dense_pass(method: Method, propagate: bool) -> bool:
-    """Whether the method's channels come from one pass of dense statistics (a score method without
-    propagation): that pass then serves every layer, and no layer is pruned in sequence."""
-    return method.scores_dense and not propagate
-
-
-def dense_pass_settings(method: Method, propagate: bool) -> tuple[float, bool]:
-    """How the dense pass before the first prune is taken: the share of the windows it reads and whether its
-    replay's products are bf16. A score method's statistics without propagation are its scores: every window, the
-    model's precision. An allocation's pass: ``allocation_sample`` at ``allocation_precision``."""
-    if scores_from_dense_pass(method, propagate):
-        return 1.0, False
-    return method.allocation_sample, method.allocation_precision == "bf16"
-
-
 def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
     """The layer-0 inputs of the first ``share`` of the calibration windows, whole batches, at least one: the
     windows are random draws, so these are a uniform sample of them. The dense pass that decides a propagating
@@ -92,18 +78,6 @@ def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
     hidden, kwargs = inputs
     k = max(batch_size, round(share * hidden.shape[0] / batch_size) * batch_size)
     return inputs if k >= hidden.shape[0] else (hidden[:k], kwargs)
-
-
-def needs_dense_stats(method: Method, propagate: bool) -> bool:
-    """Dense statistics are used by methods that score dense channels without propagating, and by any
-    non-uniform allocation (decided before the first layer is pruned)."""
-    return scores_from_dense_pass(method, propagate) or method.allocation != "uniform"
-
-
-def needs_channel_stats(method: Method, propagate: bool) -> bool:
-    """Whether that dense pass must measure the channels (``ChannelStats.of``), not only each block's angular
-    distance: for dense scores, and for an allocation that reads them (``allocation.READS_CHANNELS``)."""
-    return scores_from_dense_pass(method, propagate) or alloc.READS_CHANNELS[method.allocation]
 
 
 def _resident(adapter: Adapter) -> Onloader:
@@ -151,15 +125,14 @@ def prune_model(
     if inputs is None:
         with onloader.base():
             inputs = first_layer_inputs(model, layers, windows, batch_size, onloader.device, store=onloader.activations)
-    uniform = method.allocation == "uniform"
-    curve = method.error_curve if method.allocation == "error" else None  # the curves are the method's own
+    uniform, dense = method.uniform_widths, method.dense_pass(propagate)
+    curve = method.error_curve if dense is not None and dense.curves else None  # the curves are the method's own
     t_alloc = time.perf_counter()
-    scoring = scores_from_dense_pass(method, propagate)  # a pass the method's scores need anyway
-    if needs_dense_stats(method, propagate) and (stats is None or curve and any(s.curve is None for s in stats)):
-        share, low = dense_pass_settings(method, propagate)
-        stats = dense_stats(adapter, allocation_inputs(inputs, share, batch_size), onloader=onloader,
+    scoring = dense is not None and dense.scores  # a pass the method's scores need anyway
+    if dense is not None and (stats is None or curve and any(s.curve is None for s in stats)):
+        stats = dense_stats(adapter, allocation_inputs(inputs, dense.share, batch_size), onloader=onloader,
                             batch_size=batch_size, chunk=chunk, progress=progress, curve=curve,
-                            channels=needs_channel_stats(method, propagate), low=low)
+                            channels=dense.channels, low=dense.bf16)
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \
@@ -190,8 +163,8 @@ def prune_model(
 
 
 def _allocation_scores(adapter: Adapter, method: Method, onloader: Onloader, stats: list[ChannelStats]):
-    """Every layer's dense channel scores, for a global allocation (FLAP); None for other allocations."""
-    if method.allocation != "global":
+    """Every layer's dense channel scores, for an allocation that needs them (FLAP's global one); else None."""
+    if "scores" not in ALLOCATIONS[method.allocation].needs:
         return None
     scores = []
     for i, s in enumerate(stats):

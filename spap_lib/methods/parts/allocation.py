@@ -15,14 +15,12 @@ Every layer keeps at least one channel. ``rounded`` then makes every kept width 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-# What each allocation reads of the dense pass (``pipeline.dense_stats``): the channels' statistics (a pass over
-# every token's ``Z`` at the dense width, ``ChannelStats.of``) or only each block's angular distance, which its
-# replay gives. A propagating method with the angular allocation reads nothing more, so its dense pass is the
-# replay alone.
-READS_CHANNELS = {"uniform": False, "global": True, "angular": False, "error": True}
+from spap_lib.methods.parts.registry import Part, Registry
 
 
 def _largest_remainder(quota: list[float], total: int, cap: list[int]) -> list[int]:
@@ -131,3 +129,25 @@ def by_error(curves: list[list[tuple[int, float]]], total: int) -> list[int]:
     if left:
         raise ValueError(f"cannot remove {total} channels: the curves reach {total - left}")
     return counts
+
+
+@dataclass(frozen=True)
+class Allocation(Part):
+    """How the channel budget is spread over layers: ``split(method, stats, width, total, scores)`` gives each
+    layer's removals, summing to ``total``, from the dense pass's statistics (``stats``, one ``ChannelStats`` per
+    layer) and, where the entry needs them, every layer's ``scores``. Its ``needs`` say what that pass must
+    measure: ``channel_stats`` (every token's ``Z`` at the dense width) or only each block's angular distance,
+    which the replay gives (the angular allocation: its dense pass is the replay alone)."""
+
+    split: Callable[..., list[int]] = lambda method, stats, width, total, scores: [total // len(stats)] * len(stats)
+
+
+ALLOCATIONS = Registry("allocation")
+ALLOCATIONS.register(Allocation("uniform"))
+ALLOCATIONS.register(Allocation("global", frozenset({"dense_pass", "channel_stats", "scores"}),
+                                split=lambda method, stats, width, total, scores: global_standardized(scores, total)))
+ALLOCATIONS.register(Allocation("angular", frozenset({"dense_pass"}), split=lambda method, stats, width, total, scores:
+                                angular([s.angular for s in stats], width, total, a=method.a, scale=method.scale)))
+ALLOCATIONS.register(Allocation("error", frozenset({"dense_pass", "channel_stats", "curves"}),
+                                split=lambda method, stats, width, total, scores: by_error([s.curve for s in stats],
+                                                                                           total)))

@@ -1,6 +1,6 @@
-"""The three parts every layer-wise prune composes: which channels a layer keeps (the *selection*), how
-many each layer keeps (the *allocation*, ``Method.removals``) and what happens to the kept weights (the
-*update*).
+"""Two of the three parts every layer-wise prune composes: which channels a layer keeps (the *selection*) and
+what happens to the kept weights (the *update*); how many each layer keeps (the *allocation*) is
+``allocation``'s. Each is a ``Registry`` of entries that declare their ``needs``.
 
 A layer-wise method (``spap.SPAP`` and its presets) names one of each, as hyperparameters: ``spap`` is
 ``select=penalty, allocation=uniform, update=alternating``, ``fasp`` is ``select=wanda, update=ls``, and
@@ -23,10 +23,12 @@ sits in a few tokens (massive activations) keeps the dense weights of its kept c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from spap_lib.methods.parts.registry import Part, Registry
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.stats import ChannelStats
 
@@ -42,14 +44,31 @@ def column_scores(W: torch.Tensor, znorm: torch.Tensor, t: float, scale_free: bo
     return t * sq + (1 - t) * l1
 
 
-# The score selections, on a layer's channel statistics (``stats.norm`` may be taken from a Gram diagonal).
-SCORES: dict[str, Callable[[MLP, ChannelStats], torch.Tensor]] = {
-    "wanda": lambda mlp, s: mlp.W_out.double().abs().sum(0) * s.norm,
-    "act_norm": lambda mlp, s: s.norm.double(),
-    "fluctuation": lambda mlp, s: s.var * mlp.W_out.double().pow(2).sum(0),
-    "magnitude": lambda mlp, s: mlp.W_out.double().norm(dim=0),
-}
-NEEDS_MEAN = ("fluctuation",)  # scores that need each channel's mean over tokens (not in a Gram diagonal)
-SELECTIONS = ("penalty", *SCORES)
-UPDATES = ("none", "ls", "alternating", "gd")
-ROUNDS = ("alternating", "gd")  # the updates with rounds of Adam steps (and their hyperparameters)
+@dataclass(frozen=True)
+class Selection(Part):
+    """Which channels a layer keeps. ``score`` ranks them on the layer's channel statistics (higher = more
+    important; ``stats.norm`` may come from a Gram diagonal); None for the penalty method, whose score moves
+    with its W-steps (``SPAP.choose``)."""
+
+    score: Callable[[MLP, ChannelStats], torch.Tensor] | None = None
+
+
+SELECTIONS = Registry("selection")
+SELECTIONS.register(Selection("penalty"))
+SELECTIONS.register(Selection("wanda", score=lambda mlp, s: mlp.W_out.double().abs().sum(0) * s.norm))
+SELECTIONS.register(Selection("act_norm", score=lambda mlp, s: s.norm.double()))
+SELECTIONS.register(Selection("fluctuation", frozenset({"channel_mean"}),
+                              score=lambda mlp, s: s.var * mlp.W_out.double().pow(2).sum(0)))
+SELECTIONS.register(Selection("magnitude", score=lambda mlp, s: mlp.W_out.double().norm(dim=0)))
+
+
+@dataclass(frozen=True)
+class Update(Part):
+    """What happens to the kept weights; its ``needs`` say whether it refits and whether it runs rounds."""
+
+
+UPDATES = Registry("update")
+UPDATES.register(Update("none"))
+UPDATES.register(Update("ls", frozenset({"refit"})))
+UPDATES.register(Update("alternating", frozenset({"refit", "rounds"})))
+UPDATES.register(Update("gd", frozenset({"refit", "rounds"})))

@@ -68,7 +68,8 @@ import torch
 
 from spap_lib.checks import hp
 from spap_lib.methods.base import LayerProblem, Method, PruneResult, Shapes, chunks_of, highest, register, solve_flops
-from spap_lib.methods.parts.selection import NEEDS_MEAN, ROUNDS, SCORES, SELECTIONS, UPDATES, column_scores
+from spap_lib.methods.parts.allocation import ALLOCATIONS
+from spap_lib.methods.parts.selection import SELECTIONS, UPDATES, column_scores
 from spap_lib.methods.spap.alternating import Rounds, alternating_update, gradient_update, subsample
 from spap_lib.methods.spap.penalty import penalty_method, with_bias
 from spap_lib.model.adapters import MLP
@@ -155,7 +156,7 @@ class SPAP(Method):
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
     # "error" = the widths that minimise the layers' summed relative error (``error_curve``, ``allocation.by_error``)
     allocation: str = "uniform"
-    allocations = ("uniform", "global", "angular", "error")
+    allocations = ALLOCATIONS  # every registered allocation, a new one too
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # The share of the calibration windows (the first ones: random draws) whose dense pass decides non-uniform
     # widths; 1: all of them. The pass is a forward through every dense layer, 14-17% of a SmolLM2 prune at
@@ -180,9 +181,19 @@ class SPAP(Method):
                   "rank_tokens", "refit_precision", "allocation_sample", "allocation_precision")
 
     @property
+    def refits(self) -> bool:
+        """The update refits the kept channels' output projection (its ``needs``: ``refit``)."""
+        return "refit" in UPDATES[self.update].needs
+
+    @property
+    def rounds_update(self) -> bool:
+        """The update runs rounds of Adam steps (its ``needs``: ``rounds``; the rounds' hyperparameters act)."""
+        return "rounds" in UPDATES[self.update].needs
+
+    @property
     def uses_targets(self) -> bool:
         """The update's Adam steps fit the dense outputs token by token."""
-        return self.update in ROUNDS and self.am_iters > 0
+        return self.rounds_update and self.am_iters > 0
 
     def parts(self) -> dict[str, str]:
         return {"select": self.select, "allocation": self.allocation, "update": self.update}
@@ -191,7 +202,7 @@ class SPAP(Method):
         """The selection's score on dense statistics (the penalty method: its first s-step's)."""
         if self.select == "penalty":
             return column_scores(mlp.W_out.double(), stats.norm, self.t, self.score_scale == "layer")
-        return SCORES[self.select](mlp, stats)
+        return SELECTIONS[self.select].score(mlp, stats)
 
     def effective_hparams(self) -> dict:
         """The settings of parts not chosen are inert: the penalty method's without it, the rounds' without
@@ -199,11 +210,11 @@ class SPAP(Method):
         closed form to resample for (``gd``), the error curve's without the error allocation, the damping
         when nothing is solved for."""
         inert = set() if self.select == "penalty" else set(PENALTY_HPARAMS)
-        if self.update == "none":
+        if not self.refits:
             inert |= {"anchor", "concentrated"}  # nothing is refitted
             if self.select != "penalty":
                 inert.add("damp")  # nothing is solved for
-        if self.update not in ROUNDS:
+        if not self.rounds_update:
             inert |= {"am_iters", *ROUND_HPARAMS}
         elif self.am_iters == 0:
             inert |= set(ROUND_HPARAMS)
@@ -213,9 +224,9 @@ class SPAP(Method):
             inert.add("rank_tokens")  # the fixed sample ranks the rounds it fits
         if self.update == "gd" or (self.sketch_tokens == 0 and self.update_precision == "full"):
             inert.add("refit_precision")  # no closed-form refit after the rounds (gd), or exact rounds need none
-        if self.allocation != "error":
+        if "curves" not in ALLOCATIONS[self.allocation].needs:
             inert |= {"error_tokens", "error_weight"}
-        if self.allocation == "uniform":
+        if "dense_pass" not in ALLOCATIONS[self.allocation].needs:
             inert |= {"allocation_sample", "allocation_precision"}
         return {k: v for k, v in self.hparams().items() if k not in inert}
 
@@ -229,14 +240,14 @@ class SPAP(Method):
         if self.select == "penalty":  # with ``patience``, as where the first marked set stays (every layer measured)
             iters = min(self.K, self.patience + 1) if self.patience else self.K
             stages["penalty / refit solves"] = {"solve": (iters + 1) * solve_flops(s.n + 1, s.d), "steps": iters + 1}
-        elif self.update != "none":
+        elif self.refits:
             stages["refit solve"] = one_refit
-        if self.select in NEEDS_MEAN:
+        if "channel_mean" in SELECTIONS[self.select].needs:
             stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks_of(s.N, s.chunk)}
-        if self.concentrated < 1 and self.update != "none" and not self.uses_targets:  # ``concentration``'s forward
+        if self.concentrated < 1 and self.refits and not self.uses_targets:  # ``concentration``'s forward
             stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
                                          "steps": chunks_of(s.N, s.chunk)}
-        if self.allocation == "error":  # each layer's curve: a Gram pass on its sample, then its points' errors
+        if "curves" in ALLOCATIONS[self.allocation].needs:  # each layer's curve: a Gram pass on a sample, its errors
             Na = self.allocation_tokens(s.N)
             Ne, points = min(self.error_tokens, Na), curve_points(s.n)
             # reading every token of the pass, the curve's Gram pass takes the channel statistics ("dense channel
@@ -247,11 +258,11 @@ class SPAP(Method):
             kept = [s.n - r + 1 for r in points]
             # a float64 quadratic form per point (update none), or one float64 factorisation and forward solve of
             # the whole layer and a back-solve per point (``nested_lstsq_errors``); priced at the solves' rate
-            solves = sum(2 * k * k * s.d for k in kept) if self.update == "none" else \
+            solves = sum(2 * k * k * s.d for k in kept) if not self.refits else \
                 (s.n + 1) ** 3 / 3 + (s.n + 1) ** 2 * s.d + sum(k * k * s.d for k in kept)
             stages["error curves"] = {"fp32": forward + gram_flops(Ne, s.n) + weigh,
                                       "solve": solves, "steps": chunks_of(Ne, s.chunk) + len(points) + 1}
-        if self.update not in ROUNDS or not self.am_iters:
+        if not self.rounds_update or not self.am_iters:
             return stages
         low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
         Nr = min(self.sketch_tokens or s.N, s.N)  # the rounds' token sample
@@ -283,7 +294,7 @@ class SPAP(Method):
     def token_samples(self, s: Shapes) -> float:
         """The rounds' samples of ``X`` and ``Y`` rows (``subsample``; every token is no copy): one of
         ``sketch_tokens``, and resampled, the ranking sample of ``rank_tokens`` beside each round's fresh one."""
-        if self.update not in ROUNDS or not self.am_iters or not 0 < self.sketch_tokens < s.N:
+        if not self.rounds_update or not self.am_iters or not 0 < self.sketch_tokens < s.N:
             return 0.0
         resampled = self.sketch_resample and self.update != "gd"
         ranking = min(self.rank_tokens or self.sketch_tokens, s.N) if resampled else 0
@@ -292,8 +303,8 @@ class SPAP(Method):
 
     def channel_stats(self, mlp: MLP, X: torch.Tensor, H: torch.Tensor, chunk: int) -> ChannelStats:
         """What the selection's score reads: ``‖Z_j‖`` from the Gram diagonal, or a pass over the tokens for a
-        score that needs channel means (``parts.NEEDS_MEAN``)."""
-        if self.select in NEEDS_MEAN:
+        score that needs channel means (its ``needs``: ``channel_mean``)."""
+        if "channel_mean" in SELECTIONS[self.select].needs:
             return ChannelStats.of(mlp, X, chunk)
         return ChannelStats.norms(torch.diagonal(H)[:mlp.width], X.shape[0])
 
@@ -304,7 +315,7 @@ class SPAP(Method):
         if self.select == "penalty":
             return self.penalty(dense, H, problem.n_remove)
         stats = self.channel_stats(dense, problem.X, H, problem.chunk)
-        return highest(SCORES[self.select](dense, stats), n - problem.n_remove), None, {}
+        return highest(SELECTIONS[self.select].score(dense, stats), n - problem.n_remove), None, {}
 
     def penalty(self, dense: MLP, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Alg. 1 with this method's settings on the dense MLP's Gram matrix ``H`` (``penalty_method``)."""
@@ -324,7 +335,7 @@ class SPAP(Method):
     def prune(self, problem: LayerProblem) -> PruneResult:
         keep, W_keep, info = self.choose(problem)
         mlp = problem.dense.select(keep)
-        if self.update == "none":
+        if not self.refits:
             return PruneResult(mlp=mlp, keep=keep, info=info)
         if self.concentrated < 1:
             info["concentration"] = problem.concentration
@@ -333,7 +344,7 @@ class SPAP(Method):
         if W_keep is None or self.anchor:  # the penalty method's refit is the plain one (``anchor`` 0)
             W_keep = self.refit(problem, keep)
         mlp.set_out_augmented(W_keep)
-        if self.update in ROUNDS and self.am_iters > 0:
+        if self.rounds_update and self.am_iters > 0:
             if self.update == "gd":
                 problem.release_gram()
                 mlp, errors = gradient_update(mlp, problem.X, problem.Y, self.rounds(problem), YY=problem.YY)
@@ -401,7 +412,7 @@ class SPAP(Method):
         norm = Xe.shape[0] if weight == "residual" else YY
         scale = mean_diag(H[:n, :n])
         points = curve_points(n)
-        if self.update == "none":  # the dense weights of the kept columns
+        if not self.refits:  # the dense weights of the kept columns
             errors = [reconstruction_error(W0[:, cols], H[cols][:, cols], YZ[:, cols], YY)
                       for cols in (with_bias(torch.sort(order[:n - r]).values, n, bias) for r in points)]
         else:  # the least-squares refit of every point from one factorisation (the kept sets are nested)
