@@ -5,7 +5,8 @@ import torch
 
 import spap_lib as sl
 import spap_lib.artifact.grid as grid_mod
-from spap_lib.artifact.figures import figure2, headline, layer_plot, table5
+from spap_lib.artifact.figure2 import figure2
+from spap_lib.artifact.figures import headline, layer_plot, table5
 from spap_lib.artifact.grid import Eval, Grid, Variant, record_run, run_grid
 from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.base import parse_label
@@ -106,15 +107,29 @@ def test_figure2_draws_each_method_at_its_own_parts_and_the_best_compositions(tm
     ablations and other compositions stay out."""
     ppl = {"fasp": 30.0, "spap_no_update": 29.0, "flap/bias=false": 31.0, "spap": 25.0, "spap/lr=0.01": 26.0,
            "spap/select=act_norm": 24.0, "cfsp": 32.0, "cfsp/allocation=uniform": 33.0}
-    cells = {"spap/select=act_norm": (0.1,), "cfsp": (0.3,)}
+    cells = {"cfsp": (0.3,)}
     rows = [{"model": "m", "label": label, "method": label.split("/")[0], "sparsity": s, "eval_seqlen": 512,
              "eval_windows": 40, "nsamples": 32, "seqlen": 512, "ppl": p * (1 + s)}
             for label, p in ppl.items() for s in cells.get(label, (0.1, 0.2))]
     csv = tmp_path / "r.csv"
     pd.DataFrame(rows).to_csv(csv, index=False)
     fig = figure2(csv, tmp_path / "fig.png")
-    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == \
-        ["cfsp/allocation=uniform", "fasp", "flap/bias=false", "spap", "spap/select=act_norm"]
+    (ax,) = fig.axes
+    names = [t.get_text() for t in ax.get_legend().get_texts()]
+    # the paper's order, SPAP last; its best composition (act-norm channels beat lr=0.01, which changes no part)
+    assert names == ["FLAP, bias=false", "CFSP, uniform widths", "FASP", "SPAP", "SPAP, act-norm channels"]
+    spap, composition = (line for line in ax.get_lines() if line.get_label().startswith("SPAP"))
+    assert spap.get_color() == composition.get_color() == "#d62728" and composition.get_linestyle() == "--"
+    assert spap.get_linewidth() > next(line for line in ax.get_lines() if line.get_label() == "FASP").get_linewidth()
+
+
+def test_figure2_names_a_composition_as_a_person_reads_it():
+    from spap_lib.artifact.figure2 import readable
+
+    assert readable("spap/select=act_norm,allocation=angular") == "SPAP, act-norm channels, angular widths"
+    assert readable("spap/lr=0.001,lr_scale=absolute,sketch_tokens=0,update_precision=full") == \
+        "SPAP, the paper's update"
+    assert readable("flap/bias=false") == "FLAP, bias=false" and readable("wanda_sp") == "Wanda-SP"
 
 
 def test_table5_lists_the_ablated_cells_with_their_increase_over_dense(tmp_path):

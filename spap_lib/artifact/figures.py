@@ -6,8 +6,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.files import atomic_file
-
 
 def method_order() -> list[str]:
     """Every registered method in the paper's order, from what the method classes declare: one-shot score
@@ -28,103 +26,6 @@ def _label_order(labels) -> list[str]:
         method = label.split("/")[0]
         return (order.index(method) if method in order else len(order), label)
     return sorted(set(labels) - {"dense"}, key=rank)
-
-
-def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = None, ymax: float | None = None,
-            min_cells: int = 6):
-    """The paper's Figure 2: WikiText-2 perplexity vs sparsity per method, one panel per model and
-    calibration size (nsamples × seqlen) with at least ``min_cells`` pruned cells.
-
-    The dense model is the horizontal dashed line; ``ymax`` clips collapsed baselines (magnitude)
-    so the methods that matter stay readable. Each panel draws the methods at their own parts and the best
-    compositions with SPAP's update (``_drawn``); every other label is in the parts table. Written atomically;
-    returns the figure.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    table = load_rows(results_csv)
-    if eval_seqlen is None:
-        eval_seqlen = int(table["eval_seqlen"].mode().iloc[0])
-    table = table[table["eval_seqlen"] == eval_seqlen]
-    # One protocol per panel: the test-window count most of the model's cells used (the whole-split rows
-    # of a few headline cells would otherwise be mixed into the grid's curves), and one panel per
-    # calibration size that a grid ran (``min_cells`` pruned cells or more): budgets are never mixed.
-    table = pd.concat([part[part["eval_windows"] == part["eval_windows"].mode().iloc[0]]
-                       for _, part in table.groupby("model", sort=False)])
-    pruned_cells = table[table["label"] != "dense"].groupby(["model", "calib"], sort=False).size()
-    panels = [key for key, count in pruned_cells.items() if count >= min_cells]
-    drawn = {key: _drawn(part[part["label"] != "dense"]) for key, part in table.groupby(["model", "calib"], sort=False)
-             if key in panels}
-    table = table[[lab == "dense" or lab in drawn.get((m, c), ()) for m, c, lab in
-                   zip(table["model"], table["calib"], table["label"])]]
-    sns.set_theme(style="whitegrid", context="notebook")
-    labels = _label_order(table[[(m, c) in panels for m, c in zip(table["model"], table["calib"])]]["label"])
-    palette = dict(zip(labels, sns.color_palette("tab10" if len(labels) <= 10 else "tab20", len(labels))))
-    cols = min(len(panels), 2)
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
-        ax.set_visible(False)
-    legend = {}
-    for ax, (model, calib) in zip(axes.flat, panels):
-        part = table[(table["model"] == model) & ((table["calib"] == calib) | (table["label"] == "dense"))]
-        pruned = part[part["label"] != "dense"]
-        present = [lab for lab in labels if lab in set(pruned["label"])]
-        # x: the decoder parameters each cell actually removed (SliceGPT's slicing fraction is not that)
-        x = "achieved_sparsity" if "achieved_sparsity" in pruned and (pruned["achieved_sparsity"] != "").all() \
-            else "sparsity"
-        pruned = pruned.assign(**{x: pd.to_numeric(pruned[x])})
-        sns.lineplot(data=pruned, x=x, y="ppl", hue="label", style="label", markers=True, dashes=False,
-                     hue_order=present, style_order=present, palette=palette, ax=ax, legend="brief")
-        dense = part[part["label"] == "dense"]["ppl"]
-        if len(dense):
-            ax.axhline(float(dense.iloc[0]), color="k", ls="--", lw=1, label="dense")
-            ax.set_ylim(bottom=float(dense.iloc[0]) * 0.9)
-        ax.set_yscale("log")
-        readable = pruned["ppl"][pruned["ppl"] < 1e3]  # collapsed runs (ppl >= 1000) go off the top
-        top = ymax or (float(readable.max()) * 1.1 if len(readable) else None)
-        if top:
-            ax.set_ylim(top=top)
-        ticks = sorted(set(pruned["sparsity"]))
-        ax.set_xticks(ticks, [f"{t:.0%}" for t in ticks])
-        ax.set_xlabel("decoder-layer parameters removed" + (" (measured)" if x == "achieved_sparsity" else ""))
-        windows = int(part["eval_windows"].iloc[0])
-        scored = "whole test" if windows < 0 else f"{windows} windows"
-        ax.set_ylabel(f"WikiText-2 perplexity @ {eval_seqlen}, {scored} (log)")
-        ax.set_title(f"{model}" + (f" (calibration {calib})" if calib else ""))
-        for handle, name in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(name, handle)
-        ax.get_legend().remove()
-    fig.tight_layout()
-    # one legend for every panel (a label has one colour and marker everywhere), beside them
-    fig.legend(list(legend.values()), list(legend), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5),
-               frameon=False)
-    out = Path(out)
-    with atomic_file(out) as tmp:
-        fig.savefig(tmp, dpi=150, format=out.suffix.lstrip(".") or "png", bbox_inches="tight")
-    return fig
-
-
-def _drawn(pruned: pd.DataFrame) -> set[str]:
-    """The lines of one Figure 2 panel: every method at its own parts (its most-measured label, the bare name on a
-    tie, so that a bare row at one sparsity does not replace a sweep; ablations are Table 5's), and each label that
-    is the best composition with SPAP's alternating update in one of the panel's cells."""
-    from spap_lib.methods import METHODS
-    from spap_lib.methods.base import parse_label
-
-    drawn = set()
-    for method, own in pruned.groupby(pruned["label"].map(lambda lab: parse_label(lab)[0]), sort=False):
-        if method in METHODS and not METHODS[method].ablation_of:
-            counts = own["label"].value_counts()
-            drawn.add(max(counts.index, key=lambda label: (counts[label], label == method)))
-    alternating = pruned[_part_of(pruned, "update") == "alternating"]
-    if len(alternating):
-        drawn |= set(alternating.loc[alternating.groupby("sparsity")["ppl"].idxmin(), "label"])
-    return drawn
 
 
 def load_rows(results_csv: str | Path) -> pd.DataFrame:
@@ -227,7 +128,7 @@ def table5(results_csv: str | Path) -> pd.DataFrame:
 PARTS = ("select", "allocation", "update")
 
 
-def _parts(label: str) -> dict[str, str]:
+def label_parts(label: str) -> dict[str, str]:
     """A label's three parts (``Method.parts``: channel selection, allocation, update) and the other settings it
     names; a whole-model method (SliceGPT) has no parts. A label relabelled with a setting that no longer
     parses (``option=unset``) keeps its method's parts."""
@@ -246,8 +147,8 @@ def _parts(label: str) -> dict[str, str]:
 
 
 def _part_of(table: pd.DataFrame, part: str) -> pd.Series:
-    """Each row's ``part`` (or ``"settings"``) from its label (``_parts``, read once per label)."""
-    parts = {label: _parts(label)[part] for label in set(table["label"])}
+    """Each row's ``part`` (or ``"settings"``) from its label (``label_parts``, read once per label)."""
+    parts = {label: label_parts(label)[part] for label in set(table["label"])}
     return table["label"].map(parts)
 
 
@@ -260,7 +161,7 @@ def compositions(results_csv: str | Path) -> pd.DataFrame:
     table = table[table["label"] != "dense"]
     key = ["model", "calib", "eval_seqlen", "eval_windows"]
     wide = table.pivot_table(index=[*key, "label"], columns="sparsity", values="ppl").reset_index()
-    parts = pd.DataFrame([_parts(label) for label in wide["label"]], index=wide.index)
+    parts = pd.DataFrame([label_parts(label) for label in wide["label"]], index=wide.index)
     wide = pd.concat([wide[key], parts, wide.drop(columns=key)], axis=1)
     wide = wide[wide["select"] != ""]  # whole-model methods have no parts to compare
     return wide.sort_values([*key, *PARTS, "settings"], kind="stable").reset_index(drop=True)
