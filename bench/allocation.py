@@ -28,7 +28,7 @@ from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import git_revision
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.methods.parts import allocation as alloc
-from spap_lib.methods.spap import algorithm as spap_mod
+from spap_lib.methods.spap import curves as spap_mod  # where the error curve calls nested_lstsq_errors
 from spap_lib.model.capture import first_layer_inputs, replay
 from spap_lib.numerics.linalg import chunk_for, token_energies
 from spap_lib.numerics.solve import lstsq_columns, reconstruction_error

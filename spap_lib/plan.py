@@ -52,7 +52,7 @@ import torch
 from spap_lib.checks import ParameterError, Spec, check_values
 from spap_lib.evaluation.perplexity import LOSS_CHUNK
 from spap_lib.methods import DEFAULT_METHOD
-from spap_lib.methods.base import Shapes
+from spap_lib.methods.cost_model import Shapes
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.offload import check_offload
 from spap_lib.numerics import bf16

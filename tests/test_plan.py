@@ -8,7 +8,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
-from spap_lib.methods.base import Shapes
+from spap_lib.methods.cost_model import Shapes
 from spap_lib.plan import GB, plan
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from spap_lib.checks import hp
-from spap_lib.methods.base import Method, Shapes, chunks_of, register
+from spap_lib.methods.base import Method, register
+from spap_lib.methods.cost_model import Shapes, chunks_of
 
 
 @register

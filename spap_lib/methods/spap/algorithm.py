@@ -67,23 +67,20 @@ from dataclasses import dataclass
 import torch
 
 from spap_lib.checks import hp
-from spap_lib.methods.base import LayerProblem, Method, PruneResult, Shapes, chunks_of, highest, register, solve_flops
+from spap_lib.methods.base import LayerProblem, Method, PruneResult, highest, register
+from spap_lib.methods.cost_model import Shapes
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.methods.parts.selection import SELECTIONS, UPDATES, column_scores
-from spap_lib.methods.spap.alternating import Rounds, alternating_update, gradient_update, subsample
+from spap_lib.methods.spap.alternating import Rounds, alternating_update, gradient_update
+from spap_lib.methods.spap.cost import layer_cost, token_samples
+from spap_lib.methods.spap.curves import error_curve
 from spap_lib.methods.spap.penalty import penalty_method, with_bias
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.linalg import (
     PRECISION_CHOICES,
-    PRECISIONS,
-    check_finite,
-    gram,
-    gram_flops,
-    matmul_precision,
     mean_diag,
-    resolve_precision,
 )
-from spap_lib.numerics.solve import lstsq_columns, nested_lstsq_errors, reconstruction_error
+from spap_lib.numerics.solve import lstsq_columns, reconstruction_error
 from spap_lib.numerics.stats import ChannelStats
 
 # what only the penalty method reads (``t`` also ranks channels for a non-uniform allocation), and what only
@@ -231,75 +228,12 @@ class SPAP(Method):
         return {k: v for k, v in self.hparams().items() if k not in inert}
 
     def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
-        """The dense Gram pass, the selection (K penalty solves and the refit, or one refit; a statistics pass
-        for a score needing channel means), then (rounds) the update: Adam's forward and backward products,
-        each round's pass over its token sample and its solve, and the final refit on every token when the
-        rounds were cheap (a sample or bf16)."""
-        stages = super().cost(s)
-        one_refit = stages.pop("refit solve")
-        if self.select == "penalty":  # with ``patience``, as where the first marked set stays (every layer measured)
-            iters = min(self.K, self.patience + 1) if self.patience else self.K
-            stages["penalty / refit solves"] = {"solve": (iters + 1) * solve_flops(s.n + 1, s.d), "steps": iters + 1}
-        elif self.refits:
-            stages["refit solve"] = one_refit
-        if "channel_mean" in SELECTIONS[self.select].needs:
-            stages["channel statistics"] = {"fp32": 2 * s.in_proj * s.N * s.d * s.n, "steps": chunks_of(s.N, s.chunk)}
-        if self.concentrated < 1 and self.refits and not self.uses_targets:  # ``concentration``'s forward
-            stages["output energies"] = {"fp32": 2 * (s.in_proj + 1) * s.N * s.d * s.n,
-                                         "steps": chunks_of(s.N, s.chunk)}
-        if "curves" in ALLOCATIONS[self.allocation].needs:  # each layer's curve: a Gram pass on a sample, its errors
-            Na = self.allocation_tokens(s.N)
-            Ne, points = min(self.error_tokens, Na), curve_points(s.n)
-            # reading every token of the pass, the curve's Gram pass takes the channel statistics ("dense channel
-            # statistics" prices its forward); on a sample, a forward of its own
-            forward = 2 * s.in_proj * Ne * s.d * s.n if Ne < Na else 0
-            # each token's output energy; "residual" reads the block outputs' energies, N·d
-            weigh = 2 * Ne * s.n * s.d if self.error_weight == "token" else 0
-            kept = [s.n - r + 1 for r in points]
-            # a float64 quadratic form per point (update none), or one float64 factorisation and forward solve of
-            # the whole layer and a back-solve per point (``nested_lstsq_errors``); priced at the solves' rate
-            solves = sum(2 * k * k * s.d for k in kept) if not self.refits else \
-                (s.n + 1) ** 3 / 3 + (s.n + 1) ** 2 * s.d + sum(k * k * s.d for k in kept)
-            stages["error curves"] = {"fp32": forward + gram_flops(Ne, s.n) + weigh,
-                                      "solve": solves, "steps": chunks_of(Ne, s.chunk) + len(points) + 1}
-        if not self.rounds_update or not self.am_iters:
-            return stages
-        low = "bf16" if self.update_precision == "bf16" else "fp32"  # the rounds' products (``linalg.products``)
-        Nr = min(self.sketch_tokens or s.N, s.N)  # the rounds' token sample
-        refit = Nr < s.N or low == "bf16"  # the best round refitted on every token at ``precision``
-        mlp = 2 * (s.in_proj + 1) * s.d * s.n_keep  # per token: the pruned MLP's forward
-        steps = self.am_iters * self.adam_steps
-        stages["Adam steps"] = {low: steps * min(self.batch_tokens, s.N) * 3 * mlp, "steps": steps}
-        passes = self.am_iters * chunks_of(Nr, s.chunk) + (chunks_of(s.N, s.chunk) if refit else 0)
-        if self.update == "gd":  # every round: a forward pass for the error on the rounds' sample
-            rounds = {low: self.am_iters * Nr * mlp}
-            rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
-            stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
-            return stages
-        # alternating: ``Z`` and ``Y Zᵀ`` in the rounds' precision, ``Z Zᵀ`` in float32, and (resampled) the
-        # ranking forward pass on the first sample; one solve per round and per refit
-        z_yz = 2 * s.in_proj * s.d * s.n_keep + 2 * s.d * s.n_keep  # per token
-        Nq = min(self.rank_tokens or Nr, s.N) if self.sketch_resample and Nr < s.N else 0  # the ranking sample
-        rounds = {low: self.am_iters * (Nr * z_yz + Nq * mlp)}
-        rounds["fp32"] = rounds.get("fp32", 0) + self.am_iters * gram_flops(Nr, s.n_keep)
-        if refit:  # ``Z`` and ``Y Zᵀ`` at ``refit_precision``, ``Z Zᵀ`` in float32 either way
-            final = "bf16" if self.refit_precision == "bf16" else "fp32"
-            rounds[final] = rounds.get(final, 0) + s.N * z_yz
-            rounds["fp32"] += gram_flops(s.N, s.n_keep)
-        stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
-        stages["alternating rounds (solves)"] = {"solve": (self.am_iters + refit) * solve_flops(s.n_keep, s.d),
-                                                 "steps": self.am_iters + refit}
-        return stages
+        """The work of one layer's prune by stage (``cost.layer_cost``: Alg. 1, the refit and the rounds)."""
+        return layer_cost(self, s)
 
     def token_samples(self, s: Shapes) -> float:
-        """The rounds' samples of ``X`` and ``Y`` rows (``subsample``; every token is no copy): one of
-        ``sketch_tokens``, and resampled, the ranking sample of ``rank_tokens`` beside each round's fresh one."""
-        if not self.rounds_update or not self.am_iters or not 0 < self.sketch_tokens < s.N:
-            return 0.0
-        resampled = self.sketch_resample and self.update != "gd"
-        ranking = min(self.rank_tokens or self.sketch_tokens, s.N) if resampled else 0
-        tokens = self.sketch_tokens + (ranking if ranking < s.N else 0)
-        return tokens * 2 * s.d * s.b
+        """The rounds' samples of ``X`` and ``Y`` rows (``cost.token_samples``)."""
+        return token_samples(self, s)
 
     def channel_stats(self, mlp: MLP, X: torch.Tensor, H: torch.Tensor, chunk: int) -> ChannelStats:
         """What the selection's score reads: ``‖Z_j‖`` from the Gram diagonal, or a pass over the tokens for a
@@ -376,55 +310,10 @@ class SPAP(Method):
 
     def error_curve(self, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
                     stats: ChannelStats | None = None) -> tuple[ChannelStats, list[tuple[int, float]]]:
-        """The dense layer's channel statistics and its curve ``(r, e)``: the relative reconstruction error ``e`` once
-        ``r`` channels are removed, at ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``:
-        every token's error relative to its own output energy, or the layer's summed, or (``"residual"``) the mean of
-        every token's error relative to ``residual``, the energies ``[N]`` of the hidden states the layer's outputs
-        are added to, aligned with ``X``'s rows). Channels are ranked once by the selection's score on the layer's
-        dense statistics (``allocation_scores``; the penalty method: its first s-step), and the kept columns are
-        refitted by least squares (update ``none``: the dense weights). The kept sets are nested, so every point's
-        refit comes from one factorisation (``nested_lstsq_errors``). The "error" allocation spends the budget where
-        these curves are flattest.
-
-        The statistics are ``stats`` where given; otherwise the curve's Gram pass sums them from its own ``Z`` when it
-        reads every token (no second forward over them: the same sums as ``ChannelStats.of``, from TF32 products where
-        the precision is tf32), and a pass of their own takes them over every token when it reads a sample."""
-        precision = resolve_precision(self.precision, mlp.W_out.device)
-        weight = self.error_weight
-        if weight == "residual" and residual is None:
-            raise ValueError("error_weight='residual' needs the energies of the hidden states the outputs are added to")
-        Xe, reference = subsample(X, residual.to(X.device) if weight == "residual" else None, self.error_tokens, seed=0)
-        if stats is None and Xe is not X:
-            stats = ChannelStats.of(mlp, X, chunk)
-        taken = ChannelStats.empty(mlp.width, mlp.W_out.device) if stats is None else None
-        with matmul_precision(precision):
-            H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight == "token",
-                     reference=reference, each=None if taken is None else taken.add)
-        stats = taken if stats is None else stats
-        check_finite(H, "the error curve's Gram matrix entries")
-        n, bias = mlp.width, mlp.b_out is not None
-        order = torch.argsort(self.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
-        W0 = mlp.out_augmented().to(H.dtype)
-        YZ = W0 @ H  # Y Z̃ᵀ with Y = W0 Z̃
-        YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
-        # "residual": the errors relative to the residual stream, averaged over the tokens, in the same units in
-        # every layer; the others: relative to the layer's own (weighted) output energy
-        norm = Xe.shape[0] if weight == "residual" else YY
-        scale = mean_diag(H[:n, :n])
-        points = curve_points(n)
-        if not self.refits:  # the dense weights of the kept columns
-            errors = [reconstruction_error(W0[:, cols], H[cols][:, cols], YZ[:, cols], YY)
-                      for cols in (with_bias(torch.sort(order[:n - r]).values, n, bias) for r in points)]
-        else:  # the least-squares refit of every point from one factorisation (the kept sets are nested)
-            nested = torch.cat([order.new_tensor([n]), order]) if bias else order  # the bias column is always kept
-            errors = nested_lstsq_errors(YZ, H, nested, [n - r + bias for r in points], self.damp * scale, YY,
-                                         toward=W0, pull=self.anchor * scale)
-        return stats, [(r, max(e / norm, 0.0)) for r, e in zip(points, errors)]
+        """The dense layer's channel statistics and its error curve, for ``allocation="error"`` (``curves``)."""
+        return error_curve(self, mlp, X, chunk, residual, stats)
 
 
-def curve_points(n: int, points: int = 16) -> list[int]:
-    """Where an error curve is measured: ``points`` evenly spaced numbers of removed channels, 0 to ``n − 1``."""
-    return sorted({round(k * (n - 1) / (points - 1)) for k in range(points)})
 
 
 @register
