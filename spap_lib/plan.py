@@ -50,20 +50,25 @@ from pathlib import Path
 import torch
 
 from spap_lib.checks import ParameterError, Spec, check_values
-from spap_lib.evaluation.perplexity import LOSS_CHUNK
 from spap_lib.methods import DEFAULT_METHOD
-from spap_lib.methods.cost_model import Shapes
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.offload import check_offload
-from spap_lib.numerics import bf16
-from spap_lib.numerics.linalg import chunk_for, resolve_precision
-from spap_lib.pipeline.sparsity import channels_removed
+from spap_lib.pricing import (
+    BATCH,
+    GB,
+    PERPLEXITY,
+    SAVE_CHECKS,
+    THROUGHPUT,
+    Job,
+    Limits,
+    layout,
+    price_memory,
+    price_seconds,
+    working_share,
+)
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
-THROUGHPUT = json.loads((HERE / "throughput.json").read_text())
-WIKITEXT2_TEST_TOKENS = 290_000  # whole test split, Llama-3/Qwen tokenizers (approximate; GPT-2 BPE: 287k)
-GB = 1024**3
 
 
 def shipped_config(alias: str):
@@ -109,7 +114,7 @@ class Plan:
     @property
     def prune_working_gb(self) -> float:
         """What pruning adds to the resident weights at its peak (activations, solver state, temporaries)."""
-        return _working(self.memory_gb)
+        return working_share(self.memory_gb)
 
     def smallest_fit(self) -> str:
         """Where a run that does not fit would: the least device memory it needs (its leanest offload mode) and the
@@ -142,17 +147,6 @@ class Plan:
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"total_seconds": self.total_seconds}
-
-
-BATCH = "one batch through a layer"  # the replay's, before and after a layer's solve: never beside the solver's
-
-
-def _working(memory: dict[str, float]) -> float:
-    """Pruning's peak beyond the weights: the calibration activations, and the larger of a batch through the layer
-    and the method's working set (the replay and the solve take turns)."""
-    solver = sum(v for k, v in memory.items() if k not in ("weights", "evaluation logits", "calibration activations",
-                                                             BATCH))
-    return memory.get("calibration activations", 0) + max(memory.get(BATCH, 0), solver)
 
 
 def size(gb: float) -> str:
@@ -237,157 +231,28 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
         from spap_lib.methods.slicegpt.slicing import layout_of
 
         layout_of(SimpleNamespace(config=config))
-    args = dict(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
-                eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
-                chunk=chunk, round_to=round_to)
-    device_memory_gb = device_memory_gb or THROUGHPUT[device].get("memory_gb")
-    limits = dict(device_memory_gb=device_memory_gb, host_memory_gb=host_memory_gb, disk_free_gb=disk_free_gb)
+    job = Job(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
+              eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
+              chunk=chunk, round_to=round_to)
+    limits = Limits(device_memory_gb or THROUGHPUT[device].get("memory_gb"), host_memory_gb, disk_free_gb)
     if offload != "auto":
-        return _plan_one(model, offload, **args, **limits)
-    plans = [_plan_one(model, mode, **args, **limits) for mode in ("none", "cpu", "disk")]
+        return _plan_one(model, offload, job, limits)
+    plans = [_plan_one(model, mode, job, limits) for mode in ("none", "cpu", "disk")]
     chosen = next((p for p in plans if p.fits), plans[-1])
     chosen.least_device_gb = min(p.peak_device_gb for p in plans)
     return chosen
 
 
-# Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB
-# with a GGUF's parsed vocabulary (measured on this project's CPU machine); with CUDA initialised the
-# process holds about 2 GB of host memory before any weight (measured on an H100 machine: 2.3 GB peak
-# for SmolLM2-135M in every offload mode).
-RUNTIME_BYTES = 0.5 * 2**30
-CUDA_RUNTIME_BYTES = 2.0 * 2**30
-HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective) where a throughput row has no measured rate
-DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
-PERPLEXITY, SAVE_CHECKS = "perplexity (dense + pruned)", "save and reload check"  # after the prune
-
-
-def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: int, seqlen: int, eval_seqlen: int,
-              eval_windows: int | None, device: str, dtype: str, batch_size: int, chunk: int,
-              round_to: int | None, device_memory_gb: float | None, host_memory_gb: float | None,
-              disk_free_gb: float | None) -> Plan:
-    row = THROUGHPUT[device]
-    rates = row["flops_per_second"]
-    gpu = not device.startswith("cpu")
-    b = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    precision = resolve_precision(algo.precision, "cuda" if gpu else "cpu")
-    p = 8 if precision == "float64" else 4
-    d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
-    n_keep = max(1, n - channels_removed(sparsity, c["decoder"], L, c["per_channel"], n, round_to))
-    # a layer-wise method passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
-    # whole-model method's passes use ``chunk`` as it is
-    resident = offload == "none" or (not gpu and offload == "cpu")  # a CPU is its own host: cpu = none there
-    # MLP inputs X and (a method whose update fits them token by token, ``uses_targets``) the dense targets Y: on the
-    # device, but offloaded from a GPU in pinned host memory, streamed through the solver a chunk at a time
-    # (``Onloader.calibration``). A least-squares refit needs only the Gram matrix: its Y is never made.
-    streamed = gpu and not resident
-    shapes = Shapes(N=N, d=d, n=n, n_keep=n_keep, in_proj=c["in_proj"], p=p, b=b, vocab=V, tied=c["tied"],
-                    chunk=chunk if algo.whole_model else chunk_for(n, chunk), streamed=streamed)
-    layer_bytes = c["decoder"] / L * b
-    base_bytes = (c["total"] - c["decoder"]) * b  # embeddings, final norm, head
-    eval_windows_n = eval_windows or WIKITEXT2_TEST_TOKENS // eval_seqlen
-
-    # Device: the weights it holds, the activations of the layer being pruned, the solver's working set.
-    solver_inputs = (2 if algo.uses_targets else 1) * N * d * b
-    memory = {"weights": c["total"] * b if resident else 2 * layer_bytes,  # a layer and its pruned copy
-              # layer inputs and outputs (resident only; offloaded they wait in host memory), X and Y
-              "calibration activations": (2 * N * d * b if resident else 0) + (0 if streamed else solver_inputs),
-              BATCH: batch_size * seqlen * (c["heads"] * seqlen * 4 + 4 * n * b + 6 * d * b)}
-    memory.update(algo.working_set(shapes))  # the solver's (or a whole-model method's) own
-    kept = sum(algo.host_set(shapes).values())  # host memory: on a CPU the device's own
-    if not gpu:
-        memory.update(algo.host_set(shapes))
-    # a window's logits and the float32 loss of one span of positions; streamed, only one span's logits exist
-    span = min(LOSS_CHUNK, eval_seqlen)
-    memory["evaluation logits"] = (eval_seqlen if resident else span) * V * b + span * V * 8
-    calib_peak = memory["weights"] + _working(memory)
-    eval_peak = (memory["weights"] if resident else base_bytes) + memory["evaluation logits"]
-    peak_device = max(calib_peak, eval_peak)
-    # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
-    hidden = 2 * N * d * b  # layer inputs and outputs between layers
-    eval_hidden = eval_windows_n * eval_seqlen * d * b
-    runtime = CUDA_RUNTIME_BYTES if gpu else RUNTIME_BYTES
-    on_host = kept + (solver_inputs if streamed else 0) if gpu else 0  # a CPU row has them in ``memory``
-    if not gpu and resident:
-        peak_host = peak_device = peak_device + runtime
-    elif offload == "none":
-        peak_host = c["total"] * b + N * 8 + runtime + on_host
-    elif offload == "cpu":
-        peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime + on_host
-    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files), X and Y; on a CPU
-        # the device terms are host memory too
-        peak_host = base_bytes + layer_bytes + max(batch_size, 1) * seqlen * d * b * 2 + N * 8 + runtime + on_host
-        if not gpu:
-            peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])
-    # Disk (offload disk): the pruned layers spilled as they finish, then linked into the checkpoint; the
-    # hidden states of two layers (inputs and outputs) in spill files.
-    checkpoint = (c["total"] - L * (n - n_keep) * c["per_channel"]) * b  # the saved model (tied weights once)
-    disk_need = checkpoint + max(hidden, 2 * eval_hidden) if offload == "disk" else 0.0
-
-    # The model's own forward passes run at the measured rate. A method's stages are spap's chunked passes,
-    # solves and steps: on a GPU they reach a fraction of the rates measured on one large product or
-    # factorisation (``achieved``), and each sequential step costs ``step_seconds`` (launches, a synchronisation).
-    # Both are fitted to measured layers (bench/plan_times.py); a CPU reaches its measured rates.
-    achieved, step = row.get("achieved", {}), row.get("step_seconds", 0.0)
-    model_rate = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
-    # bf16 products on a CPU row run at this machine's kernels' rate: the float32 rate where its CPU has no bf16
-    # units (``bf16.rounded``), the row's bf16 rate where it has
-    bf16_rate = "matmul_fp32" if not gpu and bf16.rounded("cpu") else "matmul_bf16"
-    keys = {"fp32": "matmul_tf32" if precision == "tf32" and "matmul_tf32" in rates else "matmul_fp32",
-            "bf16": bf16_rate, "solve": "cholesky_fp64" if p == 8 else "cholesky_fp32"}
-
-    def stage(work: dict[str, float]) -> float:  # one layer
-        return sum(amount * step if r == "steps" else amount / (rates[keys[r]] * achieved.get(keys[r], 1.0))
-                   for r, amount in work.items())
-
-    mlp = 2 * n * c["per_channel"] * N  # N tokens through one layer's dense MLP
-    attention = 2 * (c["decoder"] / L - n * c["per_channel"]) * N + 4 * N * seqlen * d  # and through the rest
-    # a propagating prune replays every layer twice: to its MLP's input (the attention), then through the pruned
-    # MLP, reading the attention's kept outputs (``capture.replay``); a non-uniform allocation first makes one
-    # dense pass, over its share of the windows (``allocation_sample``), at its products' rate
-    # (``allocation_precision``). Without propagation, one dense pass.
-    allocating = not algo.uniform_widths and algo.propagates
-    passes = (2 if algo.propagates else 1) + (algo.allocation_tokens(N) / N if allocating else 0)
-    work = attention + mlp * (n_keep / n if algo.propagates else 1)
-    dense_rate = rates[bf16_rate] if algo.allocation_precision == "bf16" else model_rate
-    dense_pass = (attention + mlp) * (passes - 2) / dense_rate if algo.propagates else 0.0
-    batches = -(-N // (seqlen * batch_size))
-    seconds = {"calibration forward passes": L * (work / model_rate + dense_pass + passes * batches * step)}
-    own = algo.cost(shapes)
-    for name, work in own.items():
-        seconds[name] = L * stage(work)
-    eval_tokens = eval_seqlen * eval_windows if eval_windows else WIKITEXT2_TEST_TOKENS
-    evaluation = 2 * eval_tokens * (2 * c["decoder"] + 2 * d * V) / model_rate
-    reads, moved, spilled = {}, {}, {}  # per phase: layers read, bytes over the host link, bytes to spill files
-    if not resident or offload == "disk":
-        # each layer onloaded once to prune it, twice for the perplexities and twice for the save checks
-        reads = {"prune": c["decoder"] * b, "perplexity": 2 * c["decoder"] * b, "save": 2 * c["decoder"] * b}
-    if offload != "none" and gpu:
-        # hidden states copied in and out a batch at a time on every pass over a layer (pageable host memory)
-        moved = {"prune": L * 2 * passes * N * d * b, "perplexity": L * 4 * eval_tokens * d * b}
-    if offload == "disk":  # hidden states written once and read (1 + passes) times per layer and pass
-        spilled = {"prune": L * (2 + passes) * N * d * b, "perplexity": L * 4 * eval_tokens * d * b}
-    pageable = row.get("pageable_copy_gb_s", HOST_LINK_GB_S) * GB
-    disk = DISK_GB_S * GB
-
-    def transfers(phase: str) -> float:
-        host = (reads.get(phase, 0) + moved.get(phase, 0)) / pageable if gpu else 0.0
-        return host + (reads.get(phase, 0) + spilled.get(phase, 0)) / disk if offload == "disk" else host
-
-    # X and Y through the solver from pinned host memory: the dense pass and the final refit (one of each), ‖Y‖²
-    # (half), the rounds' samples and Adam's batches (about one and a half at 128 x 2048 tokens)
-    if streamed:
-        seconds["X and Y streamed to the device"] = L * 4 * solver_inputs / (row.get("pinned_copy_gb_s",
-                                                                                       HOST_LINK_GB_S) * GB)
-    if transfers("prune"):
-        seconds["onloading and hidden states"] = transfers("prune")
-    seconds[PERPLEXITY] = evaluation + transfers("perplexity")
-    if transfers("save"):
-        seconds[SAVE_CHECKS] = transfers("save")
-    fits = (offload == "none" or not algo.whole_model) and \
-           (device_memory_gb is None or peak_device / GB <= device_memory_gb) and \
-           (host_memory_gb is None or peak_host / GB <= host_memory_gb) and \
-           (disk_free_gb is None or disk_need / GB <= disk_free_gb)
-    return Plan(model, algo.name, device, offload, peak_device / GB, peak_host / GB, fits, seconds,
-                {k: v / GB for k, v in memory.items()}, device_memory_gb, host_memory_gb,
-                "; ".join(filter(None, (row["source"], row.get("fitted")))),
-                disk_need / GB, disk_free_gb, checkpoint / GB, layers=L, method_stages=tuple(own))
+def _plan_one(model: str, offload: str, job: Job, limits: Limits) -> Plan:
+    lay = layout(job, offload)
+    memory, peak_device, peak_host, disk_need, checkpoint = price_memory(job, offload, lay)
+    seconds, stages = price_seconds(job, offload, lay)
+    fits = (offload == "none" or not job.algo.whole_model) and \
+           (limits.device_memory_gb is None or peak_device / GB <= limits.device_memory_gb) and \
+           (limits.host_memory_gb is None or peak_host / GB <= limits.host_memory_gb) and \
+           (limits.disk_free_gb is None or disk_need / GB <= limits.disk_free_gb)
+    row = THROUGHPUT[job.device]
+    return Plan(model, job.algo.name, job.device, offload, peak_device / GB, peak_host / GB, fits, seconds,
+                {k: v / GB for k, v in memory.items()}, limits.device_memory_gb, limits.host_memory_gb,
+                "; ".join(filter(None, (row["source"], row.get("fitted")))), disk_need / GB, limits.disk_free_gb,
+                checkpoint / GB, layers=job.c["layers"], method_stages=stages)

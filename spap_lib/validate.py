@@ -81,15 +81,13 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
               spill_dir: str | Path | None = None, resume_dir: str | Path | None = None) -> RunCheck:
     """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
 
-    Reads only the model's config (GGUF: its metadata): the architecture, the context length that
-    ``seqlen``/``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and
-    the method's architecture checks. ``out_dir`` must be new, empty or (``overwrite``) a previous
-    spap checkpoint, and neither the source model nor ``run_dir``. ``offload`` (``spap_lib.model.offload``)
-    ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this device, the host's
-    available memory and the free space under ``spill_dir`` (disk); without a plan (no method or
-    calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a
-    ``resume_dir`` must be new, empty, or hold this run's finished layers. Spill folders that dead runs
-    left under ``spill_dir`` are removed.
+    Reads only the model's config (GGUF: its metadata): the architecture, the context length that ``seqlen``/
+    ``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and the method's architecture
+    checks. ``out_dir`` must be new, empty or (``overwrite``) a previous spap checkpoint, and neither the source
+    model nor ``run_dir``. ``offload`` ``auto`` becomes the fastest of none, cpu, disk that the plan says fits this
+    device, the host's available memory and the free space under ``spill_dir`` (disk); without a plan (no method
+    or calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a ``resume_dir``
+    must be new, empty, or hold this run's finished layers. Dead runs' spill folders under ``spill_dir`` go.
     """
     check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
                  ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
@@ -116,10 +114,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
-    if sparsity is not None and getattr(config, "spap_mlp_widths", None):
-        raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
-    if sparsity is not None and getattr(config, "spap_slicing", None):
-        raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
+    if sparsity is not None:
+        _check_dense(model, config)
     context = context_length(config)
     fits_context("seqlen", seqlen, context, model)
     fits_context("eval_seqlen", eval_seqlen, context, model)
@@ -131,11 +127,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
             adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
         whole = algo is not None and algo.whole_model
         if whole:  # SliceGPT: its own sparsity (a slicing fraction), resident models, no memory plan yet
-            check_sparsity(sparsity)
-            if offload not in ("auto", "none"):
-                raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
-                                     f"not {offload!r}")
-            offload = "none"
+            offload = _whole_model_offload(algo, sparsity, offload)
         else:
             check.plan = plan_sparsity(adapter, sparsity, round_to)
             if resume_dir is not None and algo is not None:
@@ -153,17 +145,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                 round_to=round_to, host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
                 disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
             if not p.fits:
-                raise ParameterError(
-                    f"this run does not fit with {option('offload', p.offload)}: the plan needs "
-                    f"{size(p.peak_device_gb)} on {p.device} ({_limit(p.device_memory_gb)}), {size(p.peak_host_gb)} "
-                    f"of host memory ({_limit(p.host_memory_gb)})"
-                    + (f", {size(p.disk_gb)} of disk under {spill_root} ({_limit(p.disk_free_gb)})"
-                       if p.offload == "disk" else "")
-                    + ". Use " + (f"{option('offload', 'disk')} (weights read layer by layer), " if p.offload != "disk"
-                                  else f"{_spill_hint()}, ")
-                    + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
-                    + (f"device ({p.smallest_fit()})" if dev.type != "cpu" else "machine")
-                    + f".\n{p.table()}")
+                raise _does_not_fit(p, dev, spill_root)
             check.offload = p.offload
             if out_dir is not None:
                 _check_space(out_dir, p.checkpoint_gb)
@@ -171,6 +153,37 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
         check.offload = offload
     check.out_state = out_state
     return check
+
+
+def _check_dense(model: str, config) -> None:
+    """A pruned checkpoint is not pruned again: its widths or its sliced stream are spap's already."""
+    if getattr(config, "spap_mlp_widths", None):
+        raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
+    if getattr(config, "spap_slicing", None):
+        raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
+
+
+def _whole_model_offload(algo, sparsity: float, offload: str) -> str:
+    """A whole-model method's sparsity is its own (SliceGPT's slicing fraction) and it needs the model resident."""
+    check_sparsity(sparsity)
+    if offload not in ("auto", "none"):
+        raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
+                             f"not {offload!r}")
+    return "none"
+
+
+def _does_not_fit(p: Plan, dev: torch.device, spill_root: Path) -> ParameterError:
+    """The refusal of a run the plan says will not fit, naming each limit and the ways out."""
+    return ParameterError(
+        f"this run does not fit with {option('offload', p.offload)}: the plan needs "
+        f"{size(p.peak_device_gb)} on {p.device} ({_limit(p.device_memory_gb)}), {size(p.peak_host_gb)} "
+        f"of host memory ({_limit(p.host_memory_gb)})"
+        + (f", {size(p.disk_gb)} of disk under {spill_root} ({_limit(p.disk_free_gb)})" if p.offload == "disk" else "")
+        + ". Use " + (f"{option('offload', 'disk')} (weights read layer by layer), " if p.offload != "disk"
+                      else f"{_spill_hint()}, ")
+        + "fewer calibration tokens (nsamples x seqlen), hparams {'precision': 'float32'}, or a larger "
+        + (f"device ({p.smallest_fit()})" if dev.type != "cpu" else "machine")
+        + f".\n{p.table()}")
 
 
 def _limit(gb: float | None) -> str:

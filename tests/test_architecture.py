@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "spap_lib"
 # sits between evaluation and the artifact layer, whose grid runs prunes; the entry points above may import all.
 FOUNDATION = ("errors", "checks", "files")
 LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "api", "artifact")
-ENTRY = ("validate", "plan", "cli", "nbparams")
+ENTRY = ("validate", "plan", "pricing", "cli", "nbparams")  # pricing: the plan's memory and time model
 
 
 def _rank(module: str) -> int | None:
