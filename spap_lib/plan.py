@@ -28,8 +28,8 @@ Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it th
 plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
 they stream and ``Method.host_set``; or
 (``disk``) the embeddings/head, one layer and one batch of hidden states (the rest waits in spill
-files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host are one memory, so
-``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
+files). Plus the runtime (``RUNTIME_BYTES``; with CUDA, its host side: ``CUDA_RUNTIME_BYTES``). On a CPU row
+device and host are one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage (a method's own stages from ``Method.cost``) divided by a
 throughput table (``throughput.json``: rates measured by ``bench/throughput.py`` on one large product or
@@ -250,10 +250,8 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
     return chosen
 
 
-# Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB
-# with a GGUF's parsed vocabulary (measured on this project's CPU machine); with CUDA initialised the
-# process holds about 2 GB of host memory before any weight (measured on an H100 machine: 2.3 GB peak
-# for SmolLM2-135M in every offload mode).
+# What the process holds before any weight: Python, torch, transformers and a tokenizer; with CUDA initialised, the
+# runtime's host side too (docs/scale.md: the 1.5B host-memory target).
 RUNTIME_BYTES = 0.5 * 2**30
 CUDA_RUNTIME_BYTES = 2.0 * 2**30
 HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective) where a throughput row has no measured rate
@@ -326,7 +324,8 @@ def _plan_one(model: str, offload: str, *, algo, c: dict, sparsity: float, N: in
     # The model's own forward passes run at the measured rate. A method's stages are spap's chunked passes,
     # solves and steps: on a GPU they reach a fraction of the rates measured on one large product or
     # factorisation (``achieved``), and each sequential step costs ``step_seconds`` (launches, a synchronisation).
-    # Both are fitted to measured layers (bench/plan_times.py); a CPU reaches its measured rates.
+    # Both are fitted to measured layers (docs/scale.md: The plan's time against measured layers); a CPU reaches its
+    # measured rates.
     achieved, step = row.get("achieved", {}), row.get("step_seconds", 0.0)
     model_rate = rates["matmul_bf16" if b == 2 and gpu else "matmul_fp32"]
     # bf16 products on a CPU row run at this machine's kernels' rate: the float32 rate where its CPU has no bf16
