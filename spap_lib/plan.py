@@ -28,8 +28,8 @@ Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it th
 plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
 they stream and ``Method.host_set``; or
 (``disk``) the embeddings/head, one layer and one batch of hidden states (the rest waits in spill
-files). Plus the runtime (CUDA's host side: ~2 GB). On a CPU row device and host are one memory, so
-``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
+files). Plus the runtime (``RUNTIME_BYTES``; with CUDA, its host side: ``CUDA_RUNTIME_BYTES``). On a CPU row
+device and host are one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage (a method's own stages from ``Method.cost``) divided by a
 throughput table (``throughput.json``: rates measured by ``bench/throughput.py`` on one large product or

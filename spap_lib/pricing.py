@@ -32,19 +32,11 @@ def working_share(memory: dict[str, float]) -> float:
     return memory.get("calibration activations", 0) + max(memory.get(BATCH, 0), solver)
 
 
-# Python, torch, transformers and a tokenizer, before any weight: 0.25 GB after imports, up to 0.7 GB
-# with a GGUF's parsed vocabulary (measured on this project's CPU machine); with CUDA initialised the
-# process holds about 2 GB of host memory before any weight (measured on an H100 machine: 2.3 GB peak
-# for SmolLM2-135M in every offload mode).
+# What the process holds before any weight: Python, torch, transformers and a tokenizer; with CUDA initialised, the
+# runtime's host side too (docs/scale.md: the 1.5B host-memory target).
 RUNTIME_BYTES = 0.5 * 2**30
-
-
 CUDA_RUNTIME_BYTES = 2.0 * 2**30
-
-
 HOST_LINK_GB_S = 20.0  # host <-> GPU copies (PCIe 4.0 x16, effective) where a throughput row has no measured rate
-
-
 DISK_GB_S = 1.5  # reading safetensors from an NVMe drive; assumed, not measured
 
 
@@ -165,7 +157,8 @@ def price_seconds(job: Job, offload: str, lay: _Layout) -> tuple[dict[str, float
     The model's own forward passes run at the measured rate. A method's stages are spap's chunked passes,
     solves and steps: on a GPU they reach a fraction of the rates measured on one large product or
     factorisation (``achieved``), and each sequential step costs ``step_seconds`` (launches, a synchronisation).
-    Both are fitted to measured layers (bench/plan_times.py); a CPU reaches its measured rates."""
+    Both are fitted to measured layers (docs/scale.md: The plan's time against measured layers); a CPU reaches
+    its measured rates."""
     c, algo, N, b, row = job.c, job.algo, job.N, lay.b, THROUGHPUT[job.device]
     d, n, L, V = c["hidden"], c["width"], c["layers"], c["vocab"]
     rates, achieved, step = row["flops_per_second"], row.get("achieved", {}), row.get("step_seconds", 0.0)

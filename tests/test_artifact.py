@@ -62,6 +62,58 @@ def test_every_docs_page_is_at_most_300_lines():
     assert not long, long
 
 
+# A measured quantity: a number (or a range of two) with a unit of time, memory, speed-up, share or perplexity. A
+# "×" or "x" between two numbers is a shape (128 × 2048 tokens), "3 s-steps" counts steps, not seconds, and a number
+# inside a name (WikiText-2, Qwen2.5) is no quantity.
+MEASURED = re.compile(r"(?<![\w.,-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?\s?"
+                      r"(?:(?:ms|s|min|GB|GiB|MB|MiB)\b(?!-)|%|(?:x|×)(?!\s?[\d(])|\s(?:perplexity|ppl)\b)")
+# Numbers that read like measurements but define something, per file: (text, why it stays).
+DEFINITIONS = {
+    "spap_lib/api.py": [("20%", "result labels: the keys of the dict the function returns")],
+    "spap_lib/methods/base.py": [("largest 1% of", "what LayerProblem.concentration is (top_share's fraction)")],
+    "spap_lib/methods/spap/algorithm.py": [("largest 1% of", "what the concentrated threshold compares with")],
+    "spap_lib/plan.py": [('"0.0 GB"', "how a tiny size would print without the MB rule")],
+}
+
+
+def _comment_lines(path: Path):
+    """(line number, text) of every comment and docstring line of a Python file."""
+    import io
+    import tokenize
+
+    source = path.read_text()
+    lines = dict((tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                 if tok.type == tokenize.COMMENT)
+    text = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                lines.update((i, text[i - 1]) for i in range(first.lineno, first.end_lineno + 1))
+    return sorted(lines.items())
+
+
+def test_code_comments_link_to_the_docs_instead_of_quoting_measurements():
+    """A comment or docstring in spap_lib says why, in a line, and names the docs page that holds the number
+    (``(docs/scale.md: Memory per layer)``); a measured number in the code goes stale where the docs are kept up."""
+    for quoted in ("~8x the float32 rate on an H100", "0.4-0.7 GB of transient Python objects", "13% less time",
+                   "2.5 GB at 2048 tokens", "8-27 perplexity better", "took 3.0x as long", "retry for ~50 s"):
+        assert MEASURED.search(quoted), quoted  # the check is not vacuous
+    for definition in ("128 × 2048 tokens", "a 151,936 x 1,536 embedding", "256 positions per call",
+                       "at 3 consecutive s-steps", "bf16 has an 8-bit mantissa", "K=20 iterations"):
+        assert not MEASURED.search(definition), definition
+    found = []
+    for path in sorted((REPO / "spap_lib").rglob("*.py")):
+        name = str(path.relative_to(REPO))
+        for number, line in _comment_lines(path):
+            for text, _ in DEFINITIONS.get(name, []):
+                line = line.replace(text, "")
+            if m := MEASURED.search(line):
+                found.append(f"{name}:{number}: {m.group(0)!r} in {line.strip()}")
+    assert not found, "\n".join(found)
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor of a heading: its text (link targets and markup dropped), lowercase, punctuation removed,
     spaces to hyphens."""

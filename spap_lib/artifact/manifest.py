@@ -134,7 +134,7 @@ def versions() -> dict:
 
 def cpu_name() -> str:
     """The processor's model name: a CPU's kernels (bf16 products, above all) differ between processors, and so do
-    the last digits of a CPU run's results (``make main``: 37.916 on one x86 CPU, 37.924 on another)."""
+    the last digits of a CPU run's results (docs/results/budgets.md: ``make main``)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -33,8 +33,8 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
         raise ParameterError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
     if max_windows is not None:
         n = min(n, int(max_windows))
-    # Position spans: a float32 copy and log-softmax of a whole window's logits would add 2x its size (2.5 GB at
-    # 2048 tokens and a 152k vocabulary) to the evaluation's peak; streamed, only one span's logits exist at all.
+    # Position spans: a float32 copy and log-softmax of a whole window's logits would double them at the evaluation's
+    # peak (docs/scale.md: Memory per layer); streamed, only one span's logits exist at all.
     spans = [(s, min(s + LOSS_CHUNK, seqlen - 1)) for s in range(0, seqlen - 1, LOSS_CHUNK)]
     sums = [0.0] * n
 

@@ -8,7 +8,8 @@ peak is reset after loading and warm-up, so it is what generation needs: weights
 
 Speed depends on shapes only, so a pruned variant is data: the kept channels of every layer
 (``Variant``), re-applied to the dense weights inside the profiling process. No checkpoint is written
-per variant (for an 8B model, 15 of them would be 240 GB of disk and most of the notebook's time).
+per variant: for an 8B model they would fill a disk and take most of the notebook's time
+(docs/results/zeroshot-profile.md: 05_profile).
 """
 from __future__ import annotations
 

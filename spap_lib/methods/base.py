@@ -95,10 +95,9 @@ class LayerProblem:
 
     @cached_property
     def concentration(self) -> float:
-        """The share of ``‖Y‖²`` that the largest 1% of the tokens hold: about 0.01-0.05 in most layers, most of it
-        where a few positions carry massive activations (Qwen2.5-0.5B's layers 2, 3, 21 and 22 at their first
-        positions; bench/results/output_energy_qwen2.5-coder-0.5b.md). From ``Y`` where it exists, else one forward
-        pass of the dense MLP."""
+        """The share of ``‖Y‖²`` that the largest 1% of the tokens hold: small in most layers, most of it where a few
+        positions carry massive activations (docs/method.md: Three parts, composed). From ``Y`` where it exists, else
+        one forward pass of the dense MLP."""
         device = self.dense.W_out.device
         if "Y" in self.__dict__:
             energies = token_energies(self.Y, self.chunk, device)
@@ -114,7 +113,7 @@ class LayerProblem:
 
     def release_gram(self) -> None:
         """Drop the dense Gram matrix once the method is done with it: ``n²`` numbers, a layer's largest state
-        (3 GB at a 70B layer's n = 28,672 in float32). An update that accumulates its own Gram matrices then
+        (docs/scale.md: Memory per layer). An update that accumulates its own Gram matrices then
         holds two such buffers on the device at a time, not three."""
         self.__dict__.pop("H", None)
 

@@ -130,8 +130,8 @@ class Adapter:
 
     # -- tensors in and out -----------------------------------------------------------------
     def get_mlp(self, layer: nn.Module) -> MLP:
-        """The layer's MLP in float32. Float32 weights are the module's own tensors, not copies (0.15 GB less at a
-        Qwen2.5-1.5B layer): nothing writes to a dense MLP (``MLP.select`` copies what a method changes) and
+        """The layer's MLP in float32. Float32 weights are the module's own tensors, not copies (docs/scale.md: the
+        1.5B host-memory target): nothing writes to a dense MLP (``MLP.select`` copies what a method changes) and
         ``set_mlp`` replaces the modules rather than writing into them."""
         owner = self.mlp_owner(layer)
         ins = [getattr(owner, n) for n in self.in_names]

@@ -108,8 +108,7 @@ def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume, 
     layer's weights and the windows' hidden states (in host memory) alive. Each span is one more call of the
     model's own forward (its final norm, head and any logit soft-capping) with ``logits_to_keep`` set to the
     span's positions: the decoder layers only hand back the window's final hidden states, so a span costs its
-    own share of the head, and the logits alive are one span's, not a window's (1.2 GB at 2048 positions of a
-    152k vocabulary in float32).
+    own share of the head, and the logits alive are one span's, not a window's (docs/scale.md: Memory per layer).
     """
     layers, device = onloader.layers, onloader.device
     with onloader.base():
@@ -190,7 +189,7 @@ def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int
     the layer's outputs overwrite them in place. A pruned layer's replay then costs its MLP and norms only.
     """
     seen = None if watch is None else _Rows(hidden.shape[0], inputs)
-    out = reuse  # filled batch by batch: no list of batches concatenated at the end (2x the memory)
+    out = reuse  # filled batch by batch: no list of batches concatenated at the end (both alive at once)
     keep = attention is not None and reuse is None and not outputs
     rows = [0]  # the batch's first row, for the kept attention outputs
     with capture_inputs(watch, stop=not outputs) if watch is not None else nullcontext([]) as batches, \

@@ -61,7 +61,8 @@ def _readable(source: ModelSource):
 
 
 def _hub_kwargs(source: ModelSource) -> dict:
-    """Offline, read the local hub cache only (transformers would otherwise retry for ~50 s)."""
+    """Offline, read the local hub cache only: transformers would otherwise retry for a while (docs/reliability.md: a
+    hub id while the hub is unreachable)."""
     return {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
 
 
@@ -312,8 +313,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     if fmt is not None and fmt.resident_only and offload != "none":
         raise ParameterError(f"{name} is a {fmt.describe}: it loads resident only, offload='none' (got {offload!r})")
     with _readable(source):
-        # The tokenizer first: from a GGUF it parses the whole vocabulary (0.4-0.7 GB of transient Python
-        # objects for 150-260k tokens), which then peaks beside nothing rather than beside the weights.
+        # The tokenizer first: from a GGUF it parses the whole vocabulary into transient Python objects, which then
+        # peak beside nothing rather than beside the weights (docs/scale.md: Same answer).
         tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
         if offload == "disk":
             model = _skeleton(source, dt)

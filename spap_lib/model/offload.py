@@ -85,8 +85,8 @@ class Onloader:
     def calibration(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Room for a layer's MLP inputs ``X`` ``[N, d]`` (and, beside them, its dense targets ``Y``), which every
         pass of the solver reads a chunk at a time (``linalg.rows``): on the device, or in pinned host memory
-        where the weights are offloaded from a GPU (at 128 × 2048 tokens of a 70B model, 8 GB that the device
-        then does not hold; pinned, so each chunk's copy runs at the link's full rate). Not in spill files with
+        where the weights are offloaded from a GPU (``2·N·d·b`` that the device then does not hold; docs/scale.md:
+        Memory per layer; pinned, so each chunk's copy runs at the link's full rate). Not in spill files with
         ``disk``: Adam's mini-batches gather random rows."""
         if not self.streams or self.device.type != "cuda":
             return torch.empty(shape, dtype=dtype, device=self.device)
@@ -206,7 +206,7 @@ class DiskOffload(HostOffload):
 class SpilledActivations:
     """Hidden states ``[n, ...]`` in a file of the spill folder (``offload="disk"``): ``a[i:j]`` reads
     rows i..j with ``pread``, ``a[i:j] = t`` writes them with ``pwrite``, so host memory holds one batch,
-    not the ``n·seqlen·d`` values that sit between two layers (1.6 GB for a 1.5B model at 128 × 2048).
+    not the ``n·seqlen·d`` values that sit between two layers (docs/scale.md: Memory per layer).
 
     The file is unlinked as soon as it is created: it disappears with its last handle, when this
     object is collected or the process dies, whatever happens.
@@ -271,7 +271,7 @@ def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -
                                  "the checkpoint does not match its config")
         set_module_tensor_to_device(model, name, "cpu", value=store.get(name, dtype))
     model.tie_weights()
-    release_freed()  # the dequantization temporaries of a large vocabulary's embeddings (Gemma-3: 0.26 GB)
+    release_freed()  # the dequantization temporaries of a large vocabulary's embeddings (docs/scale.md: Same answer)
 
 
 def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path) -> None:

@@ -94,7 +94,7 @@ class GGUFStore:
         reader = GGUFReader(str(self.path))
         arch = read_field(reader, "general.architecture")[0]
         # Where each tensor's bytes lie and how to decode them; then the reader goes: it holds every
-        # metadata array as Python objects (Gemma-3's 262k-token vocabulary: 0.7 GB) that no read needs.
+        # metadata array as Python objects that no read needs, a large vocabulary's too (docs/scale.md: Same answer).
         self._tensors = {t.name: _TensorInfo(int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
                                              t.tensor_type) for t in reader.tensors}
         del reader
@@ -127,8 +127,8 @@ class GGUFStore:
         weights = dequantize(data, tensor.type)
         weights = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self._gguf_to_hf,
                                          parsed_parameters=self._parsed).weights
-        # One float32 copy of the tensor, not two (the embeddings of a 150-260k vocabulary are 0.5-0.7 GB
-        # each): dequantize returns a fresh array; copy only a permuted view or a read-only array (an
+        # One float32 copy of the tensor, not two (a large vocabulary's embeddings; docs/scale.md: Same answer):
+        # dequantize returns a fresh array; copy only a permuted view or a read-only array (an
         # unquantized tensor is a view of the bytes read).
         weights = np.ascontiguousarray(weights)
         if not weights.flags.writeable:

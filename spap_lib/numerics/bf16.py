@@ -2,8 +2,8 @@
 
 ``linalg.products`` gives approximate products (bf16 inputs, float32 sums, bf16 outputs: ``torch.autocast``'s)
 where they are later corrected. On a CPU that multiplies bf16 in hardware (AVX512-BF16, AMX) autocast's kernels run
-at 4-5x the float32 rate; on an AVX512 CPU without them they convert every operand on the fly, slower than the
-float32 products they replace: SPAP's default layer took 3.0x as long (bench/results/bf16_products_smollm2_32x512.md).
+faster than the float32 ones; on an AVX512 CPU without them they convert every operand on the fly, slower than the
+float32 products they replace (docs/method/update-cost.md: bf16 products on a CPU without bf16 units).
 There the same products are computed by the float32 kernels on operands rounded to bf16, the result rounded to bf16:
 a product of two bf16 values is exact in float32, and both kernels sum in float32, so the two differ only in the
 order of the sums, as two CPUs' bf16 kernels do.

@@ -9,8 +9,8 @@ device) sets the dtype the Gram matrix is accumulated in and every solve runs in
 activations span many orders of magnitude, so float32 solves are Jacobi-scaled (unit diagonal) and fall back to float64
 where the Cholesky factorization still fails. float64 is exact-as-before; float32 is what consumer
 GPUs run fast (fp64 there is 1/64 of fp32). ``tf32`` is float32 whose matrix products on CUDA run
-on TF32 tensor cores (inputs rounded to a 10-bit mantissa, sums in float32; ~8x the float32 rate on
-an H100), for the Gram passes that dominate a large layer's time; on a CPU it is float32.
+on TF32 tensor cores (inputs rounded to a 10-bit mantissa, sums in float32; docs/scale.md: Numerics that fit
+GPUs), for the Gram passes that dominate a large layer's time; on a CPU it is float32.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def augment(Z: torch.Tensor, bias: bool) -> torch.Tensor:
 
 def nonfinite(T: torch.Tensor, block: int = 2**22) -> tuple[int, int]:
     """How many NaN and Inf values ``T`` holds, ``block`` elements at a time: ``torch.isfinite`` of a whole tensor
-    materialises ``|T|`` and two masks, 2.5 times a float32 tensor's size (1.5 GB beside a 151,936 x 1,536 embedding,
-    0.5 GB beside the Gram matrix of n = 8,960), where a block's temporaries are 40 MB."""
+    materialises ``|T|`` and two masks of the whole tensor, where a block's temporaries are ``block`` elements each
+    (docs/scale.md: the 1.5B host-memory target)."""
     nan = inf = 0
     for b in T.detach().reshape(-1).split(block):
         if not bool(torch.isfinite(b).all()):
@@ -54,8 +54,8 @@ def check_finite(H: torch.Tensor, what: str) -> None:
 @contextmanager
 def products(low: bool, device: torch.device):
     """Matrix products of the block with bfloat16 inputs when ``low`` (``torch.autocast``; the kernels
-    accumulate in float32), else as they are. bf16 products run 4-5x the float32 rate on a CPU with
-    AVX512-BF16 (bench/results/throughput) and 2x TF32's on an H100; on a CPU without bf16 units the same
+    accumulate in float32), else as they are. bf16 products outrun float32's on a CPU with AVX512-BF16 and TF32's on
+    an H100 (docs/scale.md: Numerics that fit GPUs); on a CPU without bf16 units the same
     products come from the float32 kernels (``bf16.autocast``). Used where an approximate product is later
     corrected (the update's intermediate rounds), never for a final fit."""
     if not low:
@@ -70,10 +70,10 @@ def exact_bf16_products(on: bool, device: torch.device):
     """float32 products of operands that are already bf16 values (``Z`` from ``products``) computed by the CPU's
     bf16 units, with float32 sums and outputs (oneDNN's bf16 math mode; CUDA's TF32 products already take bf16
     values exactly). A product of two bf16 values is exact in float32, so the result is the float32 product up to
-    the order of its sums, at 2x its rate on a CPU with AVX512-BF16 (``Z Zᵀ`` at n = 1,126 over 16,384 tokens,
-    measured). Where an operand is not a bf16 value it is rounded to one: use only on rounded operands. Off where
-    the CPU has no bf16 units (``bf16.rounded``): oneDNN's bf16 mode there is slower than the float32 kernels, whose
-    products of these operands are the same numbers."""
+    the order of its sums, at a higher rate on a CPU with AVX512-BF16 (docs/method/update-cost.md: the savings that
+    leave the answer as it was). Where an operand is not a bf16 value it is rounded to one: use only on rounded
+    operands. Off where the CPU has no bf16 units (``bf16.rounded``): oneDNN's bf16 mode there is slower than the
+    float32 kernels, whose products of these operands are the same numbers."""
     if not on or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available() or bf16.rounded(device):
         yield
         return
@@ -100,8 +100,8 @@ def like(T: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 # The Gram matrix is symmetric, so a pass multiplies each block of its rows only with the columns from that block's
 # diagonal on, and ``mirror`` copies the upper triangle down once the pass is done: (B+1)/(2B) of the full product's
-# work for B blocks. Eight blocks do 56% of the work in products still large enough to run at full rate: on a 2-core
-# CPU a pass runs 1.5x (n = 1,536) and 1.7x (n = 4,864) as fast as the whole product (bench/results/gram.md).
+# work for B blocks. Eight blocks do 9/16 of the work in products still large enough to run at full rate, so a pass
+# outruns the whole product (docs/method/update-cost.md: exact savings).
 GRAM_BLOCKS = 8
 
 
@@ -121,16 +121,15 @@ def chunk_for(n: int, chunk: int) -> int:
 
 def gram_flops(N: int, n: int) -> float:
     """What the plan counts for ``Zᵀ Z`` over ``N`` tokens of width ``n``: the whole product's operations. In a real
-    pass the blocks save less than their share of the work (a SmolLM2 layer's FASP 18% faster, not the 25% that
-    9/16 of the product's work would give; bench/results/profile_layer_128x512.md), so the rates measured on
-    whole products, and the GPU terms fitted to layers timed with them, keep pricing it."""
+    pass the blocks save less than their share of the work (docs/method/update-cost.md: exact savings), so the rates
+    measured on whole products, and the GPU terms fitted to layers timed with them, keep pricing it."""
     return 2 * N * n * n
 
 
 def add_gram(H: torch.Tensor, Z: torch.Tensor) -> None:
     """``H += Zᵀ Z`` on and above the diagonal (``mirror`` completes ``H`` after the last chunk), one block of rows at
     a time: ``GRAM_BLOCKS`` blocks, none taller than ``Z`` has tokens, so the temporary is a block of the product
-    (at most the size of ``Z``), never a second ``n × n`` matrix (3 GB at a 70B layer's n = 28,672). Any block
+    (at most the size of ``Z``), never a second ``n × n`` matrix (docs/scale.md: Memory per layer). Any block
     size fills the upper triangle, so chunks of different sizes may be added to one ``H``."""
     n = H.shape[0]
     block = max(1, min(Z.shape[0], -(-n // GRAM_BLOCKS)))
@@ -216,7 +215,8 @@ def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
 def energies(T: torch.Tensor) -> torch.Tensor:
     """``‖t‖²`` of every row of ``T`` in float64: each row's squares summed in float32 (a few thousand of them, the
     sum's relative error ~1e-7), the rows' sums kept in float64. A float64 copy squared and summed gives the same
-    digits up to ~1e-9 and ran 8x slower on a CPU: most of the update rounds' time outside the products."""
+    digits up to ~1e-9 and ran slower on a CPU, where it was most of the update rounds' time outside the products
+    (docs/method/update-cost.md: the savings that leave the answer as it was)."""
     return T.float().square().sum(1).double()
 
 
@@ -252,9 +252,9 @@ PRECISION_CHOICES = ("auto", *PRECISIONS)
 
 
 def resolve_precision(precision: str, device) -> str:
-    """``auto``: float32 on a CPU (float64 solves cost 1.6x float32's there, and SmolLM2 kept the same
-    channels and perplexity, bench/results/precision.md), tf32 on CUDA (measured on an H100: half the time
-    of a LLaMA-3.1-8B layer, SmolLM2's perplexity within 0.04% of float64's; bench/results/offload_gpu_h100.md)."""
+    """``auto``: float32 on a CPU (float64 solves cost more there, and SmolLM2 kept the same channels and
+    perplexity), tf32 on CUDA (less time than float64 at nearly its perplexity); docs/scale.md: Numerics that fit
+    GPUs."""
     if precision != "auto":
         return precision
     return "tf32" if torch.device(device).type == "cuda" else "float32"

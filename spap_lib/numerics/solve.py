@@ -1,8 +1,9 @@
 """Damped symmetric solves and least-squares fits on Gram statistics (``linalg.gram``).
 
 ``solve_spd`` factors with Cholesky; float32 systems are Jacobi-scaled and fall back to float64 where the
-factorization still fails (``docs/method.md``). ``ridge``, ``lstsq_columns`` and ``nested_lstsq_errors`` are
-the closed-form updates the methods share; ``reconstruction_error`` is ``‖Y − W Z̃‖²`` from the statistics.
+factorization still fails (docs/scale.md: Numerics that fit GPUs). ``ridge``, ``lstsq_columns`` and
+``nested_lstsq_errors`` are the closed-form updates the methods share; ``reconstruction_error`` is
+``‖Y − W Z̃‖²`` from the statistics.
 """
 from __future__ import annotations
 
@@ -135,8 +136,9 @@ def nested_lstsq_errors(WH: torch.Tensor, H: torch.Tensor, order: torch.Tensor, 
 
 
 # Rows of W (and columns of H) per float64 block of ``reconstruction_error``: every MLP up to this hidden size is one
-# block of rows, and a block's float64 copies are then W's own size at most; past it they stay ~0.2 GB each (a 70B
-# layer's W in float64 alone is 1.5 GB, and the error runs in the final refit, beside everything else).
+# block of rows, and a block's float64 copies are then W's own size at most; past it they stay a block's size, not a
+# whole float64 W: the error runs in the final refit, beside everything else (docs/scale.md: Streaming X and Y on a
+# GPU, measured).
 ERROR_BLOCK = 1024
 
 

@@ -37,7 +37,7 @@ def column_scores(W: torch.Tensor, znorm: torch.Tensor, t: float, scale_free: bo
     """The penalty method's s-step score ``t‖W[:,j]‖² + (1−t)‖W[:,j]‖₁‖Zⱼ‖₂`` for every column j (higher = more
     important). ``scale_free`` divides each term by its mean over the layer's columns first: the two terms
     are in different units (the first has none of the activations' scale), so without it the second
-    decides alone wherever weights are small (Qwen2.5-0.5B's RMS is 0.004-0.06 against SmolLM2's 0.19)."""
+    decides alone wherever weights are small (docs/method.md: Deviations from the paper)."""
     sq, l1 = W.pow(2).sum(0), W.abs().sum(0) * znorm
     if scale_free:
         sq, l1 = sq / sq.mean().clamp_min(1e-30), l1 / l1.mean().clamp_min(1e-30)

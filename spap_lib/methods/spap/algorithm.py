@@ -21,44 +21,10 @@ updates with these two stages; the defaults are the paper's.
 Everything works from Gram matrices; a bias on the output projection (OPT fc2) is one more column
 of W against a constant row of ones in Z (``Z̃``), never penalised and never pruned.
 
-Deviations from the paper (each measured or forced; bench/results/tune_*.md):
-
-* ρ and δ are scale-free: multiples of ``mean(diag(Z Zᵀ))``, so one setting serves every layer and
-  model (the paper gives absolute values for its models).
-* δ > 0 damping in every solve (the Gram matrix of 16k tokens is near-singular in some layers).
-* Adam's learning rate is scale-free too (``lr_scale="rms"``): each tensor steps ``lr × RMS`` of its
-  own starting weights (``lr`` = 5e-3; the best step depends on the model and the tokens). Adam moves every
-  element by about ``lr`` per step whatever the gradient, so an absolute rate tuned on one model is 10×
-  too large on another: SmolLM2-135M's MLP weights have RMS
-  ≈ 0.19, Qwen2.5-0.5B's 0.004–0.06, and there the absolute 1e-3 tuned on SmolLM2 made the update
-  overfit (bench/results/layers_qwen_lr.md). ``lr_scale="absolute"`` is the plain Adam rate.
-* The update keeps the best round by calibration error, the penalty stage's refit included, so the
-  update never makes a layer worse on its calibration data (the paper returns the last iterate).
-* ``am_iters`` defaults to 10 rounds, not the paper's 20: on 32 × 512 calibration tokens 20 rounds
-  overfit (held-out error), 10 were best.
-* The hard mask breaks ties in ``s`` by the final score (lowest removed first).
-* The s-step marks the λ lowest scores of the current iterate (``threshold="top"``); Alg. 1 as printed
-  compares them with ``Top_{n−λ}`` of the previous iteration's scores (``threshold="previous"``).
-* ``score_scale="layer"`` (an option; the default is the paper's score) divides each of the s-step score's two
-  terms by its mean over the layer's columns (``parts.column_scores``).
-* ``precision="auto"``: float32 Gram sums and Jacobi-scaled float32 solves (``linalg``), with TF32
-  products on CUDA: the fit of a 24 GB GPU, and 1.6x faster solves than float64 on a CPU.
-* Cheap rounds. The paper recomputes ``Z Zᵀ`` and ``Y Zᵀ`` over all N tokens in every round, which was
-  most of SPAP's time. Here each round's closed form (and the error that picks the best round) uses a
-  fixed uniform sample of ``sketch_tokens`` tokens, and the rounds' products (Adam's forward and
-  backward, ``Z`` and ``Y Zᵀ``) take bf16 inputs with float32 sums (``update_precision="bf16"``). The
-  best round's output projection is then refitted once on every token at ``precision``, and the start
-  wins unless that refit beats it. With ``sketch_resample`` (default) each round's closed form draws a
-  fresh sample, so the rounds together see most of the tokens; they are ranked by a forward pass on the first
-  sample, or on ``rank_tokens`` of its tokens. ``sketch_tokens=0, update_precision="full"`` is the paper's update.
-* An option, ``refit_precision`` (default ``"full"``): ``"bf16"`` takes that final refit's products from bf16
-  inputs too (``Z Zᵀ`` a float32 product of the rounded ``Z``), at the rounds' bf16 rate. Not a default: on
-  SmolLM2-135M it raised the held-out error of every layer measured, and in layer 28, whose output energy sits in
-  a few tokens, the rounded refit no longer beat the start, which was kept (+10%;
-  bench/results/refit_precision_smollm2.md).
-* An option, ``patience`` (default 0, Alg. 1): the penalty loop ends once ``s_new`` has marked the same channels
-  at that many consecutive s-steps. With 3, on every layer measured the marked set had settled by then and the
-  skipped iterations left it as it was, so the kept channels and the refit were the same.
+Where this file departs from the paper (scale-free ρ, δ and Adam rate, damping in every solve, the best round
+kept, 10 rounds, cheap rounds on token samples with bf16 products, the tie and threshold rules of the mask), a
+hyperparameter restores the paper's choice where one exists; why each was made (docs/method.md: Deviations from
+the paper).
 """
 from __future__ import annotations
 
@@ -101,17 +67,17 @@ class SPAP(Method):
     # The three parts (methods.parts): the presets below differ only in these defaults.
     select: str = hp("penalty", choices=SELECTIONS)
     update: str = hp("alternating", choices=UPDATES)
-    # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (bench/tune.py; results in
-    # bench/results/tune_*.md). The penalty-loop settings barely moved it; lr and rounds did.
-    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, doubles the error)
+    # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (docs/parameters.md: SPAP
+    # hyperparameters, how each was chosen). The penalty-loop settings barely moved it; lr and rounds did.
+    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, is worse)
     # the score's two terms as they are ("none", the paper) or each divided by its mean over the layer ("layer")
     score_scale: str = hp("none", choices=("none", "layer"))
     alpha: float = hp(0.5, ge=0, lt=1)  # soft mask update s ← αs + (1−α)s_new (α = 1 would never move s)
     rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
     tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
-    K: int = hp(20, ge=1)  # penalty iterations (10, 20, 30 gave the same masks; 20 lets ρ grow ~3000x)
+    K: int = hp(20, ge=1)  # penalty iterations (10 and 30 gave the same masks; ρ grows by τᴷ)
     # End the loop once s_new has marked the same channels at this many consecutive s-steps (0: all K, the paper).
-    # 3 kept every SmolLM2 and Qwen2.5-Coder-0.5B layer's channels at a fifth of the solves (patience_*.md)
+    # 3 kept every measured layer's channels in fewer solves (docs/method/update-cost.md: patience)
     patience: int = hp(0, ge=0)
     # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
     # previous iteration's scores)
@@ -128,26 +94,27 @@ class SPAP(Method):
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
-    # SmolLM2 at 128 x 512 prefers 1e-2, which configs/offline.yaml sets (bench/results/tune_lr_*.md)
+    # SmolLM2 at 128 x 512 prefers 1e-2, which configs/offline.yaml sets (docs/parameters.md: lr)
     lr: float = hp(5e-3, gt=0)
     lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
     precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float32 on CPU, tf32 on CUDA)
-    # Cheap update rounds (deviations; bench/results/speed_*.md): each round's closed form and error on a fixed
-    # sample of this many tokens (0: all), the best round refitted once on every token at ``precision``
+    # Cheap update rounds (docs/method/update-cost.md: Cost of the update): each round's closed form and error on a
+    # fixed sample of this many tokens (0: all), the best round refitted once on every token at ``precision``
     sketch_tokens: int = hp(16384, ge=0)
     # the rounds' products (Adam steps, the sampled Gram passes): "bf16" inputs with float32 sums, or "full"
     # (``precision``'s); sketch_tokens=0 with "full" is the paper's update
     update_precision: str = hp("bf16", choices=("bf16", "full"))
     # a fresh token sample for each round's closed form, the rounds ranked by a forward pass on the first
-    # sample: one fixed sample let the rounds overfit it (bench/results/speed_*.md)
+    # sample: one fixed sample let the rounds overfit it (docs/method/update-cost.md: Cost of the update)
     sketch_resample: bool = True
     # tokens of that first sample, which ranks the resampled rounds (0: ``sketch_tokens``): a ranking needs fewer
-    # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes (speed_*_cheap.md)
+    # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes
+    # (docs/method/update-cost.md: the per-layer cost)
     rank_tokens: int = hp(0, ge=0)
     # the products of that final refit on every token: "full" (``precision``'s) or "bf16" (``Z`` and ``Y Zᵀ`` from
     # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds); not a default: it priced
-    # a layer whose output energy sits in a few tokens wrongly (docs/method.md: cost of the update)
+    # a layer whose output energy sits in a few tokens wrongly (docs/method/update-cost.md: the final refit in bf16)
     refit_precision: str = hp("full", choices=("full", "bf16"))
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
@@ -156,22 +123,23 @@ class SPAP(Method):
     allocations = ALLOCATIONS  # every registered allocation, a new one too
     error_tokens: int = hp(16384, ge=1)  # tokens of each layer's error curve ("error" allocation only)
     # The share of the calibration windows (the first ones: random draws) whose dense pass decides non-uniform
-    # widths; 1: all of them. The pass is a forward through every dense layer, 14-17% of a SmolLM2 prune at
-    # 32 x 512 for the angular widths alone; a quarter of the windows cut that to 2% but gave back most of what the
-    # widths gained (docs/results.md: three parts)
+    # widths; 1: all of them. The pass is a forward through every dense layer, a sizeable share of a prune; a quarter
+    # of the windows cut it but gave back most of what the widths gained (docs/results/one-part-at-a-time.md: What
+    # deciding the widths costs)
     allocation_sample: float = hp(1.0, gt=0, le=1)
     # That pass's replay of the dense layers with bf16 products ("bf16", float32 sums and hidden states) or the
-    # model's own ("full"). The replay is all of the angular widths' cost; in bf16 it ran 1.8-2.4x as fast on a CPU
-    # with bf16 units, and the widths at 10-50% moved by at most 4 channels on SmolLM2 and Qwen2.5-Coder-0.5B
-    # (bench/results/allocation_pass_*.md)
+    # model's own ("full"). The replay is all of the angular widths' cost; in bf16 it ran faster on a CPU with bf16
+    # units, and the widths moved by a few channels on SmolLM2 and Qwen2.5-Coder-0.5B (docs/method.md: The error
+    # allocation)
     allocation_precision: str = hp("full", choices=("full", "bf16"))
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
-    # outputs decide: in SmolLM2's layers 2, 11 and 28 it stayed at 5%, 0.04% and 1.6% with 1,228 of 1,536
-    # channels removed, and the allocation left them 103, 1 and 103 channels (docs/method.md: the error allocation);
+    # outputs decide: it stayed flat in SmolLM2's concentrated layers 2, 11 and 28, and the allocation left them
+    # almost no channels (docs/method.md: The error allocation);
     # "residual" (the default) = each token's error relative to the hidden state it is added to (the block's
     # output), averaged and not divided by the layer's own output energy: how far the layer's error moves the
-    # residual stream; on SmolLM2 8-27 perplexity better than "token" at 10-50% (docs/results.md: three parts)
+    # residual stream; better than "token" on SmolLM2 at every sparsity measured (docs/method.md: The error
+    # allocation)
     error_weight: str = hp("residual", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",

@@ -41,8 +41,8 @@ def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: flo
     """Adam over ``weights`` and the ``biases`` that exist (``biases[i]`` is added after ``weights[i]``), in
     that order; returns the parameters and the optimiser. With ``lr_scale="rms"`` each tensor's rate is
     ``lr × RMS(tensor)``; an all-zero bias takes its weight's RMS (and a tensor with nothing to scale by, ``lr``).
-    The fused step (one kernel per tensor) where the device has one: the same update, 13% less time for the Adam
-    steps of a SmolLM2 layer on a CPU than the per-operation step (measured)."""
+    The fused step (one kernel per tensor) where the device has one: the same update in less time than the
+    per-operation step (docs/method/update-cost.md: the savings that leave the answer as it was)."""
     pairs = [*((W, W) for W in weights), *((b, W) for W, b in zip(weights, biases) if b is not None)]
     params = [p for p, _ in pairs]
     fused = all(p.device.type in ("cpu", "cuda") for p in params) or None
@@ -58,10 +58,10 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
     (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
     device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
     # Every step's mini-batch drawn at once (the same draws as one call per step) and moved in one copy: on a GPU
-    # a copy per step made the host wait for the device at every step (bench/profile_layer.py --device cuda)
+    # a copy per step made the host wait for the device at every step (docs/scale.md: SPAP against FASP on an H100)
     batches = torch.randint(X.shape[0], (steps, min(batch_tokens, X.shape[0])), generator=gen).to(X.device)
     for idx in batches:
-        x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # 6x ``T[idx]``'s rate
+        x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # faster than ``T[idx]``
         with products(low, device):
             loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
         opt.zero_grad(set_to_none=True)
@@ -114,7 +114,7 @@ def best_round(mlp: MLP, iters: int, step: Callable[[MLP], float], *, start_erro
 @dataclass(frozen=True)
 class Rounds:
     """How §3.3's rounds run: the schedule, Adam's settings and the cheap rounds' token sample and precision
-    (docs/method.md: cost of the update). One object from the method's fields (``SPAP.rounds``)."""
+    (docs/method/update-cost.md: Cost of the update). One object from the method's fields (``SPAP.rounds``)."""
 
     iters: int  # rounds (the paper's AM iterations)
     adam_steps: int  # Adam steps on the input projections per round
@@ -183,7 +183,8 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
 
     def final_refit(m: MLP) -> float:
         # Adam's moments and the last gradients are done with: freed, the refit's Gram pass and solve have their
-        # room (on 8B shapes the refit was the prune's device peak while they lived: bench/memory_peak.py)
+        # room: the refit was the prune's device peak while they lived (docs/scale.md: Streaming X and Y on a GPU,
+        # measured)
         opt.state.clear()
         for p in W_in:
             p.grad = None

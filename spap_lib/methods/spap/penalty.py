@@ -76,7 +76,8 @@ def penalty_method(
         # ρ ← τρ
         rho *= tau
         # The set s_new marks only grows more stable: the penalised columns shrink and score lower still. After
-        # ``patience`` unchanged s-steps the rest of the K iterations kept every mask measured (deviations).
+        # ``patience`` unchanged s-steps the rest of the K iterations kept every mask measured
+        # (docs/method/update-cost.md: patience).
         if patience and stable >= patience:
             break
     # Alg. 1, output: the hard mask (the λ channels s marks most strongly; ties go to the lower
