@@ -24,7 +24,7 @@ import time
 
 import pandas as pd
 import torch
-from tune import layer_bench_parser, mlp_inputs
+from common import layer_bench_parser, mlp_inputs  # bench/, the script's own folder
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table

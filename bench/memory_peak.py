@@ -1,5 +1,5 @@
 """What is live on the GPU at a prune's peak, and where the host's time goes: one prune of a random-weight
-checkpoint (bench/offload.py's, no model files needed) under ``torch.cuda.memory._record_memory_history`` and
+checkpoint (bench/common.py's, no model files needed) under ``torch.cuda.memory._record_memory_history`` and
 cProfile. The allocation trace is replayed to the moment of the highest total; the allocations live then are
 grouped by the spap_lib / transformers lines that made them.
 
@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from offload import random_calibration, random_checkpoint  # bench/, the script's own folder
+from common import random_calibration, random_checkpoint  # bench/, the script's own folder
 
 import spap_lib as sl
 from spap_lib.artifact.manifest import device_name, git_revision

@@ -29,46 +29,16 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from common import random_calibration, random_checkpoint  # bench/, the script's own folder
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import device_name, git_revision
-from spap_lib.evaluation.data import Calibration
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.numerics.memory import peak_rss_mb
 from spap_lib.plan import available_host_gb, local_device, plan
 
 GB = 2**30
-
-
-def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
-    """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0) in the dtype
-    ``sl.load`` gives it on ``device``, saved once as safetensors under bench/.cache (with a placeholder
-    tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files."""
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    from spap_lib.files import REPO, atomic_dir
-    from spap_lib.model.loading import pick_dtype, read_config
-    from spap_lib.model.sources import resolve
-    from spap_lib.plan import shipped_config
-
-    dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
-    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{str(dtype).removeprefix('torch.')}"
-    if (path / "config.json").is_file():
-        return path
-    config = shipped_config(alias) or read_config(resolve(alias))
-    config.num_hidden_layers = layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
-                                unk_token="<unk>").save_pretrained(tmp)
-    return path
 
 
 def one(args) -> dict:
@@ -122,12 +92,6 @@ def one(args) -> dict:
     result["peak device GB (plan)"] = round(p.peak_device_gb, 3)
     result["plan prune s"] = round(p.prune_seconds, 1)
     return result
-
-
-def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -> Calibration:
-    """``nsamples`` windows of uniformly random tokens: a random model's calibration set (seeded)."""
-    windows = torch.randint(0, vocab_size, (nsamples, seqlen), generator=torch.Generator().manual_seed(seed))
-    return Calibration(windows, [0] * nsamples, "random tokens", "random", windows.numel(), seed)
 
 
 def main(argv=None) -> None:

@@ -22,8 +22,13 @@ from contextlib import contextmanager
 
 import pandas as pd
 import torch
-from offload import random_calibration, random_checkpoint  # bench/, the script's own folder
-from tune import RANDOM_NOTE, device_arguments, synchronize
+from common import (  # bench/, the script's own folder
+    RANDOM_NOTE,
+    device_arguments,
+    random_calibration,
+    random_checkpoint,
+    synchronize,
+)
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table

@@ -10,16 +10,21 @@ closed-form steps can overfit a small calibration set, which the fit error would
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from contextlib import ExitStack
 
 import numpy as np
 import pandas as pd
-import torch
-from offload import random_calibration, random_checkpoint
+from common import (  # bench/, the script's own folder
+    RANDOM_NOTE,
+    device_arguments,
+    layer_bench_parser,
+    mlp_inputs,
+    random_calibration,
+    random_checkpoint,
+    synchronize,
+)
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table
@@ -27,7 +32,6 @@ from spap_lib.artifact.manifest import device_name, git_revision
 from spap_lib.checks import scalar
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
-from spap_lib.model.capture import capture_inputs
 from spap_lib.numerics import bf16
 
 PENALTY_GRID = {
@@ -42,47 +46,9 @@ PENALTY_GRID = {
 UPDATE_GRID = {"lr": [5e-5, 5e-4, 5e-3], "adam_steps": [10, 50], "am_iters": [0, 5, 20]}
 
 
-@torch.no_grad()
-def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
-    """Dense MLP inputs of the chosen layers (whole-model forwards; fine for a tuning script)."""
-    mods = [loaded.adapter.mlp_input_module(loaded.adapter.layers()[i]) for i in layers]
-    with ExitStack() as stack:
-        seen = [stack.enter_context(capture_inputs(m)) for m in mods]
-        for w in windows:
-            loaded.model(input_ids=w[None].to(loaded.device), use_cache=False)
-    return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
-
-
-RANDOM_NOTE = "; random weights and random tokens: the times hold, the errors are those of random layers"
-
-
-def device_arguments(ap: argparse.ArgumentParser) -> None:
-    """``--device`` and ``--random``: where a benchmark prunes, and whether on random layers of the model's shapes."""
-    ap.add_argument("--device", default="cpu", help="where the layers are pruned ('auto': CUDA where there is one)")
-    ap.add_argument("--random", action="store_true",
-                    help="random weights of the model's shipped config and random tokens: no model files needed; "
-                         "the times hold, the errors are those of random layers")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def scalar_point(point: str) -> dict:
     """``"am_iters=20,adam_steps=5"`` as ``{"am_iters": 20, "adam_steps": 5}``."""
     return {k: scalar(v) for k, v in (kv.split("=") for kv in point.split(","))}
-
-
-def layer_bench_parser(doc: str) -> argparse.ArgumentParser:
-    """The arguments every per-layer bench shares (this one and ``bench/layers.py``)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--layers", default="2,15,28")
-    ap.add_argument("--nsamples", type=int, default=32)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--sparsity", type=float, default=0.2)
-    return ap
 
 
 def main(argv=None) -> None:

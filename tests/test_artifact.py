@@ -197,7 +197,8 @@ def test_the_bench_table_writer_escapes_pipes_in_labels_and_cells():
 
     from spap_lib.artifact.figures import markdown_table
 
-    direct = [p.name for p in sorted((REPO / "bench").glob("*.py")) if ".to_markdown(" in p.read_text()]
+    writers = [*sorted((REPO / "bench").glob("*.py")), REPO / "spap_lib" / "artifact" / "render.py"]
+    direct = [p.name for p in writers if ".to_markdown(" in p.read_text()]
     assert not direct, f"{direct} call DataFrame.to_markdown; use spap_lib.artifact.figures.markdown_table"
     frame = pd.DataFrame({"method": ["wanda_sp: Σᵢ|W_ij|", "kept \\| escaped"], "reload max |diff|": [0.5, 1.25],
                           0.2: [1, 2]})
@@ -343,20 +344,18 @@ def test_saved_notebook_defaults_are_the_papers_settings():
 
 @pytest.mark.parametrize("name", sorted(RESULT_COLUMNS))
 def test_readme_tables_are_rendered_from_the_committed_results(name):
-    """Every README table between markers is what bench/readme_table.py renders from results/ today."""
-    out = subprocess.run([sys.executable, "bench/readme_table.py", "--check", f"results/{name}"], cwd=REPO,
+    """Every README table between markers is what spap_lib/artifact/render.py renders from results/ today."""
+    out = subprocess.run([sys.executable, "-m", "spap_lib.artifact.render", "--check", f"results/{name}"], cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 
 
-def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path, monkeypatch):
+def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path):
     """A cell finished by a later process records that process's time only: the sweep table says so."""
     import pandas as pd
 
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from readme_table import render_sweep
-
     from spap_lib.artifact.figures import PAPER_UPDATE, _protocol, exact_labels
+    from spap_lib.artifact.render import render_sweep
 
     table = pd.read_csv(REPO / "results" / "ablation.csv", keep_default_na=False)
     # one calibration size: the calibration-size study adds a second SmolLM2 spap 20% cell (128 x 512)

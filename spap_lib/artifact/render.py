@@ -1,13 +1,13 @@
 """Render committed result tables into README.md and docs/*.md (between their markers).
 
-    python bench/readme_table.py results/ablation.csv                 # 03_ablate    (ablation:start/end, the
+    python -m spap_lib.artifact.render results/ablation.csv           # 03_ablate    (ablation:start/end, the
                                                                       #   SPAP sweep: results, Table 5: table5,
                                                                       #   beside the paper: paper, the 128 x 512
                                                                       #   grid: budget128)
-    python bench/readme_table.py results/zeroshot.csv                 # 04_evaluate  (zeroshot:start/end)
-    python bench/readme_table.py results/profile.csv                  # 05_profile   (profile:start/end)
-    python bench/readme_table.py results/profile_slicegpt.csv         # 05, SliceGPT (profile_slicegpt:start/end)
-    python bench/readme_table.py --check results/ablation.csv         # exit 1 if README's blocks are stale
+    python -m spap_lib.artifact.render results/zeroshot.csv           # 04_evaluate  (zeroshot:start/end)
+    python -m spap_lib.artifact.render results/profile.csv            # 05_profile   (profile:start/end)
+    python -m spap_lib.artifact.render results/profile_slicegpt.csv   # 05, SliceGPT (profile_slicegpt:start/end)
+    python -m spap_lib.artifact.render --check results/ablation.csv   # exit 1 if README's blocks are stale
 """
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from spap_lib.artifact.figures import UPDATE_LABELS, load_rows, markdown_table
-from spap_lib.files import write_text_atomic
+from spap_lib.files import REPO, write_text_atomic
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]  # where rendered blocks may live
 PAPER_CSV = REPO / "results" / "paper_tables.csv"
 
@@ -203,7 +202,7 @@ def main(argv: list[str]) -> None:
         seen |= found
         if check and fresh != text:  # a committed result changed without its table (or a block was hand-edited)
             raise SystemExit(f"{path.relative_to(REPO)}'s tables are stale for {csv}: "
-                             f"run python bench/readme_table.py {csv}")
+                             f"run python -m spap_lib.artifact.render {csv}")
         if not check and fresh != text:
             write_text_atomic(path, fresh)
     missing = set(blocks) - seen

@@ -1,0 +1,88 @@
+"""What the bench scripts share: random-weight checkpoints and random calibration tokens (no model files needed),
+the dense MLP inputs of chosen layers, the arguments several scripts take, and a CUDA-aware clock edge.
+
+Not a benchmark: each script imports it from its own folder (``python bench/<script>.py`` puts bench/ on the path).
+"""
+from __future__ import annotations
+
+import argparse
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from spap_lib.evaluation.data import Calibration
+from spap_lib.model.capture import capture_inputs
+
+RANDOM_NOTE = "; random weights and random tokens: the times hold, the errors are those of random layers"
+
+
+def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
+    """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0) in the dtype
+    ``sl.load`` gives it on ``device``, saved once as safetensors under bench/.cache (with a placeholder
+    tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from spap_lib.files import REPO, atomic_dir
+    from spap_lib.model.loading import pick_dtype, read_config
+    from spap_lib.model.sources import resolve
+    from spap_lib.plan import shipped_config
+
+    dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
+    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{str(dtype).removeprefix('torch.')}"
+    if (path / "config.json").is_file():
+        return path
+    config = shipped_config(alias) or read_config(resolve(alias))
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(path) as tmp:
+        model.save_pretrained(tmp)
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                unk_token="<unk>").save_pretrained(tmp)
+    return path
+
+
+def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -> Calibration:
+    """``nsamples`` windows of uniformly random tokens: a random model's calibration set (seeded)."""
+    windows = torch.randint(0, vocab_size, (nsamples, seqlen), generator=torch.Generator().manual_seed(seed))
+    return Calibration(windows, [0] * nsamples, "random tokens", "random", windows.numel(), seed)
+
+
+@torch.no_grad()
+def mlp_inputs(loaded, windows: torch.Tensor, layers: list[int]) -> dict[int, torch.Tensor]:
+    """Dense MLP inputs of the chosen layers (whole-model forwards; fine for a tuning script)."""
+    mods = [loaded.adapter.mlp_input_module(loaded.adapter.layers()[i]) for i in layers]
+    with ExitStack() as stack:
+        seen = [stack.enter_context(capture_inputs(m)) for m in mods]
+        for w in windows:
+            loaded.model(input_ids=w[None].to(loaded.device), use_cache=False)
+    return {i: torch.cat(store).float() for i, store in zip(layers, seen)}
+
+
+def device_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--random``: where a benchmark prunes, and whether on random layers of the model's shapes."""
+    ap.add_argument("--device", default="cpu", help="where the layers are pruned ('auto': CUDA where there is one)")
+    ap.add_argument("--random", action="store_true",
+                    help="random weights of the model's shipped config and random tokens: no model files needed; "
+                         "the times hold, the errors are those of random layers")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def layer_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every per-layer bench shares (``bench/tune.py`` and ``bench/layers.py``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--layers", default="2,15,28")
+    ap.add_argument("--nsamples", type=int, default=32)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--sparsity", type=float, default=0.2)
+    return ap
