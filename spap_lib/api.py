@@ -47,12 +47,12 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
                  ("chunk", chunk, Spec(int, ge=1)))
     algo = get_method(method, **(hparams or {}))
     work = check_sparsity(sparsity) > 0  # sparsity 0: the dense model unchanged, whatever the method
-    if work and algo.whole_model:
-        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir))
-                 if v is not None]
-        if given:
-            raise ParameterError(f"method {method!r} does not take {', '.join(given)} (it prunes the whole model at "
-                                 f"once; its kept dimension's multiple is its own hyperparameter round_to)")
+    if work:
+        algo.check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)
+    if work and loaded.offload not in algo.offloads:
+        raise ParameterError(f"method {algo.name!r} needs offload {' or '.join(map(repr, algo.offloads))}, got "
+                             f"offload={loaded.offload!r}")
+    if work and algo.pipeline == "model":  # the method declares its pipeline: the whole model at once
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
@@ -97,7 +97,7 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     shapes, each pruned by ``method`` (default magnitude: the widths SPAP gets at the same sparsity, in
     seconds, no activations needed) from one load, on a copy per variant; only the kept channels are
     returned. ``slicing``: SliceGPT's slicing fractions, as plans (its shapes, shortcut matrices included)."""
-    from spap_lib.methods.slicegpt.slicing import plan_for, shape_like
+    from spap_lib.methods.slicegpt.slicing import SLICED_FORMAT, plan_for
 
     loaded = load(model, device=device)
     for s in sparsities:
@@ -116,9 +116,9 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     for s in slicing:
         plan = plan_for(loaded.model.config, s)
         sliced = loaded.copy()
-        shape_like(sliced.model, plan)
+        SLICED_FORMAT.shape(sliced.model, plan)
         variants[f"slicegpt {s:.0%}"] = Variant(model, None, 1 - sliced.adapter.decoder_params() / dense_params,
-                                                slicing=plan)
+                                                reshape=(SLICED_FORMAT.marker, plan))
         del sliced
     device = loaded.device
     del loaded
@@ -136,12 +136,8 @@ def _check_prunable(loaded: Loaded, calib: Calibration) -> None:
 
 def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsity: float, *, seed: int,
                        batch_size: int, progress: bool) -> dict:
-    """A whole-model method (SliceGPT): its own sparsity definition, the parameters actually removed
+    """A method of the "model" pipeline (SliceGPT): its own sparsity definition, the parameters actually removed
     counted from the real tensors, the same report keys as the MLP-channel methods."""
-    check_sparsity(sparsity)
-    if loaded.offload != "none":
-        raise ParameterError(f"method {algo.name!r} needs the model resident (offload='none'), got "
-                             f"offload={loaded.offload!r}")
     algo.prepare(loaded.adapter)
     _check_prunable(loaded, calib)
     before = loaded.param_counts()

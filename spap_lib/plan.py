@@ -225,12 +225,7 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
                  ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
     algo = get_method(method, **(hparams or {}))
     config = config or shipped_config(model) or read_config(resolve(model))
-    if algo.whole_model:  # SliceGPT: an architecture it cannot rotate is refused here too
-        from types import SimpleNamespace
-
-        from spap_lib.methods.slicegpt.slicing import layout_of
-
-        layout_of(SimpleNamespace(config=config))
+    algo.check_config(config)  # an architecture the method cannot prune is refused here too
     job = Job(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
               eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
               chunk=chunk, round_to=round_to)
@@ -247,7 +242,7 @@ def _plan_one(model: str, offload: str, job: Job, limits: Limits) -> Plan:
     lay = layout(job, offload)
     memory, peak_device, peak_host, disk_need, checkpoint = price_memory(job, offload, lay)
     seconds, stages = price_seconds(job, offload, lay)
-    fits = (offload == "none" or not job.algo.whole_model) and \
+    fits = offload in job.algo.offloads and \
            (limits.device_memory_gb is None or peak_device / GB <= limits.device_memory_gb) and \
            (limits.host_memory_gb is None or peak_host / GB <= limits.host_memory_gb) and \
            (limits.disk_free_gb is None or disk_need / GB <= limits.disk_free_gb)

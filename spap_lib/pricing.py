@@ -97,10 +97,10 @@ def layout(job: Job, offload: str) -> _Layout:
     # device, but offloaded from a GPU in pinned host memory (``Onloader.calibration``). A least-squares refit needs
     # only the Gram matrix: its Y is never made.
     streamed = gpu and not resident
-    # a layer-wise method passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
-    # whole-model method's passes use ``chunk`` as it is
+    # the sequential pipeline passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
+    # method of the whole model uses ``chunk`` as it is
     shapes = Shapes(N=job.N, d=c["hidden"], n=n, n_keep=n_keep, in_proj=c["in_proj"], p=p, b=b, vocab=c["vocab"],
-                    tied=c["tied"], chunk=job.chunk if algo.whole_model else chunk_for(n, job.chunk),
+                    tied=c["tied"], chunk=chunk_for(n, job.chunk) if algo.pipeline == "layers" else job.chunk,
                     streamed=streamed)
     return _Layout(gpu, resident, streamed, b, p, precision, n_keep, shapes, c["decoder"] / L * b,
                    (c["total"] - c["decoder"]) * b)

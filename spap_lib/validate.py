@@ -125,18 +125,19 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
 
         with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
             adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
-        whole = algo is not None and algo.whole_model
-        if whole:  # SliceGPT: its own sparsity (a slicing fraction), resident models, no memory plan yet
-            offload = _whole_model_offload(algo, sparsity, offload)
-        else:
+        layers = algo is None or algo.pipeline == "layers"  # else the method's own sparsity, no memory plan yet
+        if algo is not None and check_sparsity(sparsity) > 0:
+            algo.check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)
+            offload = _allowed_offload(algo, offload)
+        if layers:
             check.plan = plan_sparsity(adapter, sparsity, round_to)
             if resume_dir is not None and algo is not None:
                 resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
                                                  "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,
                                                  "propagate": propagate})
         if algo is not None:
-            algo.prepare(adapter)  # e.g. FLAP's bias slot, SliceGPT's architectures
-        if algo is not None and nsamples and seqlen and not whole and sparsity > 0:
+            algo.prepare(adapter)  # e.g. FLAP's bias slot, an architecture the method cannot reshape
+        if algo is not None and nsamples and seqlen and layers and sparsity > 0:
             dev = pick_device(device)
             row, memory_gb = local_device(dev)
             check.memory_time = p = plan(
@@ -163,13 +164,14 @@ def _check_dense(model: str, config) -> None:
         raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
 
 
-def _whole_model_offload(algo, sparsity: float, offload: str) -> str:
-    """A whole-model method's sparsity is its own (SliceGPT's slicing fraction) and it needs the model resident."""
-    check_sparsity(sparsity)
-    if offload not in ("auto", "none"):
-        raise ParameterError(f"method {algo.name!r} needs the model resident: offload 'none' or 'auto', "
-                             f"not {offload!r}")
-    return "none"
+def _allowed_offload(algo, offload: str) -> str:
+    """The offload asked for, if the method takes it; ``auto`` with one choice is that choice."""
+    if offload == "auto":
+        return algo.offloads[0] if len(algo.offloads) == 1 else offload
+    if offload not in algo.offloads:
+        raise ParameterError(f"method {algo.name!r} needs offload {' or '.join(map(repr, algo.offloads))} "
+                             f"(or 'auto'), not {offload!r}")
+    return offload
 
 
 def _does_not_fit(p: Plan, dev: torch.device, spill_root: Path) -> ParameterError:

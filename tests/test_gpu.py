@@ -24,7 +24,7 @@ def _on_cuda(arch):
     return Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cuda"))
 
 
-@pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if not sl.METHODS[m].whole_model))  # MLP channels
+@pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if sl.METHODS[m].pipeline == "layers"))  # MLP channels
 def test_every_method_prunes_on_cuda(method, arch, windows, tiny_tokenizer, tmp_path):
     loaded = _on_cuda(arch)
     loaded.tokenizer = tiny_tokenizer

@@ -32,7 +32,7 @@ def _hparams(method, arch):
     return {**HPARAMS.get(method, {}), **extra}
 
 
-@pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if not sl.METHODS[m].whole_model))  # MLP channels
+@pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if sl.METHODS[m].pipeline == "layers"))  # MLP channels
 def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, tiny_tokenizer, tmp_path):
     """Same budget for every method; the saved checkpoint reloads to the same logits."""
     prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)

@@ -184,3 +184,29 @@ def test_the_plan_knows_slicegpt():
     assert "PCA (float64 Gram sums, eigh)" in tied.seconds
     assert not plan("qwen2.5-0.5b", method="slicegpt", nsamples=8, seqlen=512, device="cpu-2core",
                        offload="disk").fits
+
+
+def test_settings_its_pipeline_does_not_read_are_refused_alike_by_the_check_and_the_prune(windows, tiny_tokenizer,
+                                                                                          tmp_path):
+    """One refusal, written once on the method (``check_settings``, ``offloads``): ``check_run`` gives it before any
+    weight is read, and ``sl.prune`` gives the same words on a loaded model."""
+    import spap_lib as sl
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m")
+    tiny_tokenizer.save_pretrained(tmp_path / "m")
+    loaded = Loaded(model, tiny_tokenizer, get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "fixture", 10_000, 0)
+    words = r"method 'slicegpt' does not take round_to \(it prunes the whole model at once"
+    with pytest.raises(ParameterError, match=words):
+        sl.check_run(str(tmp_path / "m"), method="slicegpt", sparsity=0.25, round_to=8)
+    with pytest.raises(ParameterError, match=words):
+        sl.prune(loaded, calib, "slicegpt", 0.25, round_to=8, progress=False)
+    with pytest.raises(ParameterError, match="method 'slicegpt' needs offload 'none'"):
+        sl.check_run(str(tmp_path / "m"), method="slicegpt", sparsity=0.25, offload="cpu")
+    assert sl.check_run(str(tmp_path / "m"), method="slicegpt", sparsity=0.25).offload == "none"
+    assert sl.prune(loaded, calib, "slicegpt", 0.0, round_to=8, progress=False)["sparsity"]["requested"] == 0.0

@@ -9,6 +9,7 @@ import torch
 from spap_lib.artifact.manifest import PLAN, check_out_dir, manifest, read_checkpoint_manifest, save_pruned
 from spap_lib.errors import CheckpointError
 from spap_lib.model.capture import streamed_logits
+from spap_lib.model.formats import format_of_report
 from spap_lib.model.loading import Loaded, context_length, load_saved
 from spap_lib.model.offload import write_checkpoint_weights
 from spap_lib.model.sources import ModelSource
@@ -112,21 +113,19 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     """
     fields = manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
-    sliced = "slicing" in report  # a whole-model method's plan (SliceGPT): the shapes, not kept channels
+    fmt = format_of_report(report)  # a registered layout's plan (a sliced stream's shapes), else kept channels
     plan = {"model": loaded.source.as_dict(),
-            **({"slicing": report["slicing"]} if sliced else {"kept_channels": report["kept_channels"]})}
+            **({fmt.plan_key: report[fmt.plan_key]} if fmt else {"kept_channels": report["kept_channels"]})}
     protect = protected(loaded.source, **(protect or {}))
     check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # before the sample pass
     if loaded.offload == "none":
         sample = _sample(loaded.model)
         logits = finite_logits(loaded.model, sample)  # before anything is written
         check, write = (lambda tmp: check_reload(loaded.model, tmp, sample, logits)), None
-        if sliced:
-            from spap_lib.methods.slicegpt.slicing import mark_sliced
-
+        if fmt is not None:
             def write(tmp):
                 loaded.model.save_pretrained(tmp, safe_serialization=True)
-                mark_sliced(tmp, report["slicing"])
+                fmt.mark(tmp, report[fmt.plan_key])
     else:  # offloaded: the same checks, one layer at a time
         sample = _sample(loaded.model).cpu()
         logits = _streamed_sample_logits(loaded.model, loaded.onloader, sample)

@@ -165,8 +165,8 @@ class Grid:
 
     def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
         """Where a layer-by-layer cell keeps its finished layers: one folder per model, variant (with a
-        hash of its hyperparameters), sparsity, calibration size and seed. None for whole-model methods."""
-        if self.resume_root is None or get_method(variant.method, **variant.hparams).whole_model:
+        hash of its hyperparameters), sparsity, calibration size and seed. None for a method that does not resume."""
+        if self.resume_root is None or not get_method(variant.method, **variant.hparams).resumable:
             return None
         n, seqlen = self.calib.windows.shape
         tag = hashlib.sha256(json.dumps(variant.hparams, sort_keys=True).encode()).hexdigest()[:8]

@@ -24,6 +24,7 @@ import torch
 
 from spap_lib.errors import ParameterError
 from spap_lib.model.adapters import get_adapter
+from spap_lib.model.formats import FORMATS
 from spap_lib.numerics.memory import peak_rss_mb, release_freed, reset_peak_rss
 
 
@@ -36,11 +37,15 @@ class Variant:
     kept_channels: list[list[int]] | None = None
     sparsity: float = 0.0  # achieved share of the decoder's parameters removed
     round_to: int | None = None
-    slicing: dict | None = None  # a SliceGPT variant: the slicing plan (``slicing.plan_for``) instead
+    # A model reshaped as a whole instead of channel-pruned (a sliced residual stream): the marker of its registered
+    # format (``model.formats``) and its plan, which the format's ``shape`` applies to the dense model.
+    reshape: tuple[str, dict] | None = None
 
     @property
     def method(self) -> str | None:
-        return "slicegpt" if self.slicing is not None else None if self.kept_channels is None else "channels"
+        if self.reshape is not None:
+            return FORMATS[self.reshape[0]].method
+        return None if self.kept_channels is None else "channels"
 
 
 
@@ -197,10 +202,9 @@ def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens
         if variant.kept_channels is not None:
             loaded.adapter.keep_channels(variant.kept_channels)
             free_device_memory(loaded.device)  # the dense weights of the removed channels
-        elif variant.slicing is not None:
-            from spap_lib.methods.slicegpt.slicing import shape_like
-
-            shape_like(loaded.model, variant.slicing)  # SliceGPT's shapes, shortcuts included
+        elif variant.reshape is not None:
+            marker, plan = variant.reshape
+            FORMATS[marker].shape(loaded.model, plan)  # the format's shapes, shortcut matrices included
             free_device_memory(loaded.device)
         gen = torch.Generator().manual_seed(0)
         vocab = loaded.model.get_input_embeddings().weight.shape[0]

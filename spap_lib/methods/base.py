@@ -199,9 +199,11 @@ class Method:
     # Hyperparameters added with the earlier behaviour as their default: a result recorded before one of them
     # existed ran that default (``grid.ran_with``).
     introduced: ClassVar[tuple[str, ...]] = ()
-    # Whether the method transforms the whole model (``prune_model``: SliceGPT slices the residual
-    # stream) instead of pruning each MLP's channels (``prune``: everything else).
-    whole_model: ClassVar[bool] = False
+    # The pipeline that runs the method, as the method declares it: "layers", the sequential pipeline (``prune``
+    # on one MLP at a time, a channel sparsity plan, any offload, resumable layer by layer), or "model"
+    # (``prune_model`` on the resident model, with a sparsity of the method's own definition). Callers dispatch on
+    # it; the other differences are the hooks below (``offloads``, ``check_settings``, ``check_config``).
+    pipeline: ClassVar[str] = "layers"
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -262,12 +264,29 @@ class Method:
 
     def prepare(self, adapter) -> None:
         """Check (and adapt) the architecture before any work is done; raise if it cannot be pruned."""
+        self.check_config(adapter.model.config)
+
+    def check_config(self, config) -> None:
+        """Refuse, from the config alone, an architecture the method cannot prune (the plan has no model)."""
+
+    @property
+    def offloads(self) -> tuple[str, ...]:
+        """Where the weights may wait between layers while the method runs (``model.offload``)."""
+        return ("none", "cpu", "disk") if self.pipeline == "layers" else ("none",)
+
+    @property
+    def resumable(self) -> bool:
+        """Whether a run saves its finished layers and resumes after them (``pipeline.resume``)."""
+        return self.pipeline == "layers"
+
+    def check_settings(self, *, round_to: int | None, propagate: bool | None, resume_dir) -> None:
+        """Refuse run settings that the method's pipeline does not read (None: not given)."""
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         raise NotImplementedError
 
     def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
-        """Whole-model methods (``whole_model``): transform ``loaded.model`` in place; return timings,
+        """Methods of the "model" ``pipeline``: transform ``loaded.model`` in place; return timings,
         per-layer diagnostics and the plan as data (``plan``), what ``spap_lib.load`` re-applies."""
         raise NotImplementedError
 

@@ -11,12 +11,12 @@ import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from spap_lib.errors import ParameterError, SourceError
 from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
+from spap_lib.model.formats import CheckpointFormat, format_of, register_format
 from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_offload, load_base
 from spap_lib.model.sources import (
     CHUNKED_GGUF,
@@ -64,31 +64,6 @@ def _hub_kwargs(source: ModelSource) -> dict:
     """Offline, read the local hub cache only: transformers would otherwise retry for a while (docs/reliability.md: a
     hub id while the hub is unreachable)."""
     return {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
-
-
-@dataclass(frozen=True)
-class CheckpointFormat:
-    """A saved layout stock ``from_pretrained`` cannot read, marked by a field of its ``config.json``. A
-    method whose checkpoints need one registers it (``register_format``): loading names no method."""
-    marker: str  # the config.json field that marks it
-    describe: str  # for errors: "a <describe>"
-    load: Callable[[str | Path, torch.dtype], torch.nn.Module]
-    read_config: Callable[[dict], object] | None = None  # None: AutoConfig reads it as usual
-    resident_only: bool = False  # offload "cpu"/"disk" cannot build it
-    checks_own_shapes: bool = False  # its loader is strict; only the files' readability is checked up front
-
-
-FORMATS: dict[str, CheckpointFormat] = {}
-
-
-def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
-    FORMATS[fmt.marker] = fmt
-    return fmt
-
-
-def format_of(config: dict) -> CheckpointFormat | None:
-    """The registered format a raw ``config.json`` is saved in, or None for a stock checkpoint."""
-    return next((fmt for marker, fmt in FORMATS.items() if marker in config), None)
 
 
 def load_saved(path: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:

@@ -31,6 +31,7 @@ import torch
 
 from spap_lib.errors import ParameterError, SourceError
 from spap_lib.model.adapters import supported_model_types
+from spap_lib.model.formats import model_type_of
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -300,9 +301,7 @@ def check_checkpoint(path: Path) -> None:
     if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
         raise SourceError(f"{path} holds {', '.join(archs)}, not a causal language model (…ForCausalLM): "
                          "spap prunes and evaluates decoder-only causal LMs")
-    model_type = config.get("model_type")
-    if model_type == "spap_sliced":  # a SliceGPT checkpoint: its base architecture must be supported
-        model_type = (config.get("spap_slicing") or {}).get("base_model_type")
+    model_type = model_type_of(config)  # a registered format's (a sliced checkpoint's): its base architecture
     if model_type not in supported_model_types():
         raise SourceError(f"{path} is a {model_type!r} model ({', '.join(archs) or 'no architectures listed'}): "
                          f"unsupported architecture; spap supports {', '.join(supported_model_types())}")

@@ -18,6 +18,8 @@ NEEDS = {
     "curves": "every layer's error curve (Method.error_curve) in that pass",
     "refit": "the kept channels' output projection refitted by least squares",
     "rounds": "rounds of Adam steps on the dense targets Y, token by token (the update's hyperparameters)",
+    "closed_form": "each round ends in a closed-form solve of the output projection: the rounds' token sample can be "
+                   "resampled for it, and the best round refitted on every token",
 }
 
 

@@ -64,11 +64,14 @@ SELECTIONS.register(Selection("magnitude", score=lambda mlp, s: mlp.W_out.double
 
 @dataclass(frozen=True)
 class Update(Part):
-    """What happens to the kept weights; its ``needs`` say whether it refits and whether it runs rounds."""
+    """What happens to the kept weights; its ``needs`` say whether it refits and whether it runs rounds. An update
+    with rounds runs them in ``rounds(mlp, problem, settings, start_error) -> (mlp, errors)``: the refitted
+    ``mlp``, the layer's ``LayerProblem``, the round settings (``spap.alternating.Rounds``) and a callable giving
+    the refitted layer's error from the dense Gram matrix, before the rounds release it."""
+    rounds: Callable | None = None
 
 
 UPDATES = Registry("update")
 UPDATES.register(Update("none"))
 UPDATES.register(Update("ls", frozenset({"refit"})))
-UPDATES.register(Update("alternating", frozenset({"refit", "rounds"})))
-UPDATES.register(Update("gd", frozenset({"refit", "rounds"})))
+# the updates with rounds register beside their maths: ``methods/spap/alternating.py``

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import ClassVar
 
 from spap_lib.checks import hp
+from spap_lib.errors import ParameterError
 from spap_lib.methods.base import Method, register
 from spap_lib.methods.cost_model import Shapes, chunks_of
 
@@ -19,7 +21,7 @@ from spap_lib.methods.cost_model import Shapes, chunks_of
 @dataclass
 class SliceGPT(Method):
     name = "slicegpt"
-    whole_model: ClassVar[bool] = True
+    pipeline: ClassVar[str] = "model"
     fits: ClassVar[bool] = False
     round_to: int = hp(8, ge=1)  # kept dimension rounded down to a multiple (official --round-interval)
 
@@ -38,10 +40,17 @@ class SliceGPT(Method):
         return {**({"untied head copy": s.vocab * s.d * s.b} if s.tied else {}),
                 "PCA Gram (float64)": 2 * s.d * s.d * 8 + min(s.chunk, s.N) * s.d * 8}
 
-    def prepare(self, adapter) -> None:
+    def check_config(self, config) -> None:
         from spap_lib.methods.slicegpt.slicing import layout_of
 
-        layout_of(adapter.model)  # an architecture it cannot rotate is refused before any work
+        layout_of(SimpleNamespace(config=config))  # an architecture it cannot rotate is refused before any work
+
+    def check_settings(self, *, round_to: int | None, propagate: bool | None, resume_dir) -> None:
+        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir))
+                 if v is not None]
+        if given:
+            raise ParameterError(f"method {self.name!r} does not take {', '.join(given)} (it prunes the whole model "
+                                 "at once; its kept dimension's multiple is its own hyperparameter round_to)")
 
     def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
         from spap_lib.methods.slicegpt.slicing import fuse_norms, plan_of, rotate_and_slice, sliced_dim

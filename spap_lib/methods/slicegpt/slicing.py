@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from spap_lib.checks import ParameterError
-from spap_lib.model.loading import CheckpointFormat, register_format
+from spap_lib.model.formats import CheckpointFormat, register_format
 
 
 class RMSN(nn.Module):
@@ -378,4 +378,5 @@ def load_sliced(path, dtype: torch.dtype) -> nn.Module:
 # Sliced checkpoints load through spap (``spap_lib.load``): registered here, so loading names no method.
 SLICED_FORMAT = register_format(CheckpointFormat(
     "spap_slicing", "SliceGPT checkpoint (shortcut matrices between blocks)", load_sliced, read_config=sliced_config,
-    resident_only=True, checks_own_shapes=True))
+    resident_only=True, checks_own_shapes=True, plan_key="slicing", method="slicegpt", mark=mark_sliced,
+    shape=shape_like, base_model_type=lambda config: (config.get("spap_slicing") or {}).get("base_model_type")))

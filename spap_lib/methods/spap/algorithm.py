@@ -37,7 +37,7 @@ from spap_lib.methods.base import LayerProblem, Method, PruneResult, highest, re
 from spap_lib.methods.cost_model import Shapes
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.methods.parts.selection import SELECTIONS, UPDATES, column_scores
-from spap_lib.methods.spap.alternating import Rounds, alternating_update, gradient_update
+from spap_lib.methods.spap.alternating import Rounds
 from spap_lib.methods.spap.cost import layer_cost, token_samples
 from spap_lib.methods.spap.curves import error_curve
 from spap_lib.methods.spap.penalty import penalty_method, with_bias
@@ -156,6 +156,11 @@ class SPAP(Method):
         return "rounds" in UPDATES[self.update].needs
 
     @property
+    def closed_form_rounds(self) -> bool:
+        """Each round ends in a closed-form solve (its ``needs``: ``closed_form``; no closed form: ``gd``)."""
+        return "closed_form" in UPDATES[self.update].needs
+
+    @property
     def uses_targets(self) -> bool:
         """The update's Adam steps fit the dense outputs token by token."""
         return self.rounds_update and self.am_iters > 0
@@ -183,11 +188,11 @@ class SPAP(Method):
             inert |= {"am_iters", *ROUND_HPARAMS}
         elif self.am_iters == 0:
             inert |= set(ROUND_HPARAMS)
-        elif self.sketch_tokens == 0 or self.update == "gd":
+        elif self.sketch_tokens == 0 or not self.closed_form_rounds:
             inert |= {"sketch_resample", "rank_tokens"}
         elif not self.sketch_resample:
             inert.add("rank_tokens")  # the fixed sample ranks the rounds it fits
-        if self.update == "gd" or (self.sketch_tokens == 0 and self.update_precision == "full"):
+        if not self.closed_form_rounds or (self.sketch_tokens == 0 and self.update_precision == "full"):
             inert.add("refit_precision")  # no closed-form refit after the rounds (gd), or exact rounds need none
         if "curves" not in ALLOCATIONS[self.allocation].needs:
             inert |= {"error_tokens", "error_weight"}
@@ -247,14 +252,9 @@ class SPAP(Method):
             W_keep = self.refit(problem, keep)
         mlp.set_out_augmented(W_keep)
         if self.rounds_update and self.am_iters > 0:
-            if self.update == "gd":
-                problem.release_gram()
-                mlp, errors = gradient_update(mlp, problem.X, problem.Y, self.rounds(problem), YY=problem.YY)
-            else:
-                start_error = self.start_error(problem, keep, mlp)
-                problem.release_gram()  # the rounds accumulate their own
-                mlp, errors = alternating_update(mlp, problem.X, problem.Y, self.rounds(problem),
-                                                 start_error=start_error, YY=problem.YY, dtype=problem.dtype)
+            refitted = mlp
+            mlp, errors = UPDATES[self.update].rounds(refitted, problem, self.rounds(problem),
+                                                      lambda: self.start_error(problem, keep, refitted))
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
 

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from spap_lib.methods.parts.selection import UPDATES, Update
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.linalg import energies, gram, mean_diag, products, rows, sq_norm
 from spap_lib.numerics.solve import reconstruction_error, ridge
@@ -227,3 +228,18 @@ def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Rounds, 
     with trainable(params):
         return best_round(mlp, r.iters, one_round, start_error=calibration_error(mlp, X, Y, r.chunk) / YY,
                           exact=Xr is X and not r.bf16, full_error=lambda m: calibration_error(m, X, Y, r.chunk) / YY)
+
+
+def _alternating_rounds(mlp: MLP, problem, rounds: Rounds, start_error: Callable[[], float]) -> tuple[MLP, dict]:
+    start = start_error()
+    problem.release_gram()  # the rounds accumulate their own
+    return alternating_update(mlp, problem.X, problem.Y, rounds, start_error=start, YY=problem.YY, dtype=problem.dtype)
+
+
+def _gradient_rounds(mlp: MLP, problem, rounds: Rounds, start_error: Callable[[], float]) -> tuple[MLP, dict]:
+    problem.release_gram()  # its rounds measure their own start on the tokens
+    return gradient_update(mlp, problem.X, problem.Y, rounds, YY=problem.YY)
+
+
+UPDATES.register(Update("alternating", frozenset({"refit", "rounds", "closed_form"}), rounds=_alternating_rounds))
+UPDATES.register(Update("gd", frozenset({"refit", "rounds"}), rounds=_gradient_rounds))

@@ -58,7 +58,7 @@ def layer_cost(m: SPAP, s: Shapes) -> dict[str, dict[str, float]]:
     steps = m.am_iters * m.adam_steps
     stages["Adam steps"] = {low: steps * min(m.batch_tokens, s.N) * 3 * mlp, "steps": steps}
     passes = m.am_iters * chunks_of(Nr, s.chunk) + (chunks_of(s.N, s.chunk) if refit else 0)
-    if m.update == "gd":  # every round: a forward pass for the error on the rounds' sample
+    if not m.closed_form_rounds:  # gd: every round a forward pass for the error on the rounds' sample
         rounds = {low: m.am_iters * Nr * mlp}
         rounds["fp32"] = rounds.get("fp32", 0) + (s.N * mlp if refit else 0)
         stages["alternating rounds (Gram / error)"] = rounds | {"steps": passes}
@@ -84,7 +84,7 @@ def token_samples(m: SPAP, s: Shapes) -> float:
     ``sketch_tokens``, and resampled, the ranking sample of ``rank_tokens`` beside each round's fresh one."""
     if not m.rounds_update or not m.am_iters or not 0 < m.sketch_tokens < s.N:
         return 0.0
-    resampled = m.sketch_resample and m.update != "gd"
+    resampled = m.sketch_resample and m.closed_form_rounds
     ranking = min(m.rank_tokens or m.sketch_tokens, s.N) if resampled else 0
     tokens = m.sketch_tokens + (ranking if ranking < s.N else 0)
     return tokens * 2 * s.d * s.b
