@@ -22,7 +22,7 @@ from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import git_revision
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.model.capture import first_layer_inputs
-from spap_lib.pipeline.sequential import dense_stats
+from spap_lib.pipeline.sequential import RunSettings, dense_stats
 
 SETTINGS = ("full", "bf16")
 
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
             curve = method.error_curve if dense.curves else None
             t0 = time.perf_counter()
             stats[p] = dense_stats(adapter, inputs, curve=curve, channels=dense.channels, low=dense.bf16,
-                                   progress=False)
+                                   run=RunSettings(progress=False))
             seconds[p].append(time.perf_counter() - t0)
             print(p, round(seconds[p][-1], 2), flush=True)
     width = adapter.width(adapter.layers()[0])

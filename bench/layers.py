@@ -33,7 +33,7 @@ from spap_lib.artifact.manifest import git_revision
 from spap_lib.files import write_csv_atomic, write_text_atomic
 from spap_lib.methods import LayerProblem
 from spap_lib.methods.parts.selection import column_scores
-from spap_lib.methods.spap.penalty import penalty_method
+from spap_lib.methods.spap.penalty import Penalty, penalty_method
 from spap_lib.numerics.linalg import mean_diag
 from spap_lib.numerics.solve import lstsq_columns
 
@@ -63,13 +63,13 @@ def mask_rows(problem: LayerProblem, spap, X_held, Y_held) -> list[dict]:
     bias = problem.has_bias
     znorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()
     W0 = dense.out_augmented().to(H.dtype)
-    kw = dict(bias=bias, rho0=spap.rho0, tau=spap.tau, t=spap.t, alpha=spap.alpha, K=spap.K, damp=spap.damp)
+    kw = dict(rho0=spap.rho0, tau=spap.tau, t=spap.t, alpha=spap.alpha, K=spap.K, damp=spap.damp)
     removed = {
         "first": set(torch.topk(column_scores(W0[:, :n], znorm, spap.t), lam, largest=False).indices.tolist()),
         "fasp": set(torch.topk(dense.W_out.double().abs().sum(0) * znorm, lam, largest=False).indices.tolist()),
     }
     for name, rule in (("penalty", "top"), ("penalty_previous", "previous")):
-        keep, _, _ = penalty_method(W0, H, lam, threshold=rule, **kw)
+        keep, _, _ = penalty_method(W0, H, lam, Penalty(threshold=rule, **kw), bias=bias)
         removed[name] = set(range(n)) - set(keep.tolist())
     rows = []
     for name, gone in [*removed.items(), ("fasp (dense weights, no refit)", removed["fasp"])]:

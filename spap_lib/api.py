@@ -80,7 +80,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
             {"propagate": algo.propagates if propagate is None else propagate, "seconds": 0.0, "resumed_at_layer": 0,
              "allocation_seconds": 0.0, "layers": [], "kept_channels": [list(range(plan.width))] * plan.layers}
     widths = [len(k) for k in run["kept_channels"]]
-    return _report(loaded, calib, algo, seed, run, before, memory,
+    return _report(loaded, calib, algo, {**run, "seed": seed, "memory": memory, "method": method}, before,
                    precision=resolve_precision(algo.precision, loaded.device),
                    sparsity={"requested": sparsity, "round_to": round_to, "counted_over": _COUNTED_OVER,
                              "mlp_share_of_decoder": plan.mlp_share,
@@ -88,7 +88,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
                              "mlp_width": {"dense": plan.width,
                                            "pruned": widths[0] if len(set(widths)) == 1 else widths},
                              "mlp_channel_ratio": plan.mlp_ratio},
-                   method=method, kept_channels=run["kept_channels"])
+                   kept_channels=run["kept_channels"])
 
 
 def shape_variants(model: str, sparsities: list[float], round_tos: list[int | None], method: str = "magnitude", *,
@@ -146,7 +146,8 @@ def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsit
     with measured(loaded.device) as memory:
         run = algo.prune_model(loaded, calib, sparsity, batch_size=batch_size, progress=progress)
     one_process = {"propagate": True, "resumed_at_layer": 0}  # no resume: it runs in one process
-    return _report(loaded, calib, algo, seed, {**run, **one_process}, before, memory, precision="float64",
+    return _report(loaded, calib, algo, {**run, **one_process, "seed": seed, "memory": memory}, before,
+                   precision="float64",
                    sparsity={"requested": sparsity,
                              "definition": f"{algo.name}: fraction of the residual-stream dimension sliced "
                                            f"({run['hidden_size']} -> {run['sliced_dim']})",
@@ -158,14 +159,16 @@ def _prune_whole_model(loaded: Loaded, calib: Calibration, algo: Method, sparsit
 _COUNTED_OVER = "parameters inside decoder layers (attention, MLP, norms); not embeddings, final norm or LM head"
 
 
-def _report(loaded: Loaded, calib: Calibration, algo: Method, seed: int, run: dict, before: dict, memory: dict, *,
-            precision: str, sparsity: dict, method: str | None = None, **extra) -> dict:
+def _report(loaded: Loaded, calib: Calibration, algo: Method, run: dict, before: dict, *, precision: str,
+            sparsity: dict, **extra) -> dict:
     """What every prune returns (and ``save`` records): the request, the sparsity achieved, counted from
-    the real tensors before and after, and the run's time, memory and per-layer details; ``extra`` is the
-    plan (``kept_channels``, or a whole-model method's ``slicing``)."""
+    the real tensors before and after, and the run's time, memory, seed and per-layer details (``run``; its
+    ``method``: the label asked for); ``extra`` is the plan (``kept_channels``, or a whole-model method's
+    ``slicing``)."""
     after = loaded.param_counts()
     return {
-        "method": method or algo.name, "hparams": algo.hparams(), "propagate": run["propagate"], "seed": seed,
+        "method": run.get("method") or algo.name, "hparams": algo.hparams(), "propagate": run["propagate"],
+        "seed": run["seed"],
         "calibration": calib.describe(),
         "sparsity": {**sparsity, "achieved_decoder": 1 - after["decoder"] / before["decoder"],
                      "achieved_total": 1 - after["total"] / before["total"]},
@@ -175,7 +178,7 @@ def _report(loaded: Loaded, calib: Calibration, algo: Method, seed: int, run: di
         "resumed_at_layer": run["resumed_at_layer"],
         "offload": loaded.offload,
         "precision": precision,  # "auto" resolved for this device
-        "memory": memory,
+        "memory": run["memory"],
         "layers": run["layers"],
         **extra,
     }

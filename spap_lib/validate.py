@@ -94,10 +94,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                  ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
                  ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("round_to", round_to, Spec(int, ge=1, optional=True)),
-                 ("seed", seed, Spec(int, ge=0)),
-                 ("propagate", propagate, Spec(bool, optional=True)),
-                 ("overwrite", overwrite, Spec(bool)),
-                 ("hparams", hparams, Spec(dict, optional=True)))
+                 ("seed", seed, Spec(int, ge=0)), ("propagate", propagate, Spec(bool, optional=True)),
+                 ("overwrite", overwrite, Spec(bool)), ("hparams", hparams, Spec(dict, optional=True)))
     check_offload(offload)
     bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
     algo = get_method(method, **(hparams or {})) if method is not None else None

@@ -73,3 +73,42 @@ def test_the_rule_finds_an_upward_import_even_inside_a_function():
     assert _upward("spap_lib.numerics.x", typing) == []
     assert _upward("spap_lib.numerics.x", "from spap_lib import api\n") == [
         "spap_lib.numerics.x:1 imports spap_lib.api"]
+
+
+# The entry points users call with keywords (``sl.prune``, ``sl.prune_model``, ``sl.check_run``, ``sl.plan``): they
+# keep their keyword arguments; everything below them passes settings as objects (docs/architecture.md).
+PUBLIC = {"spap_lib.api.prune", "spap_lib.pipeline.sequential.prune_model", "spap_lib.validate.check_run",
+          "spap_lib.plan.plan"}
+LIMITS = {"parameters": 8, "function lines": 80, "module lines": 400}
+
+
+def _shape_problems(name: str, source: str) -> list[str]:
+    """What breaks the size rules in one module: too many lines, a function too long or with too many parameters
+    (``self``/``cls`` not counted; ``*args``/``**kwargs`` count one each)."""
+    problems = []
+    if source.count("\n") > LIMITS["module lines"]:
+        problems.append(f"{name}: {source.count(chr(10))} lines")
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        a = node.args
+        params = [x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+        count = len(params) + (a.vararg is not None) + (a.kwarg is not None)
+        if count > LIMITS["parameters"] and f"{name}.{node.name}" not in PUBLIC:
+            problems.append(f"{name}.{node.name}: {count} parameters")
+        if node.end_lineno - node.lineno + 1 > LIMITS["function lines"]:
+            problems.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return problems
+
+
+def test_modules_and_functions_stay_small_and_settings_travel_as_objects():
+    problems = [p for path, name in _modules() for p in _shape_problems(name, path.read_text())]
+    assert not problems, problems
+
+
+def test_the_size_rule_finds_a_long_parameter_list_a_long_function_and_spares_the_entry_points():
+    many = "def f(a, b, c, d, e, f, g, h, *rest):\n    pass\n"
+    long = "def g(self):\n" + "    x = 1\n" * 80
+    assert _shape_problems("spap_lib.x", many) == ["spap_lib.x.f: 9 parameters"]
+    assert _shape_problems("spap_lib.x", long) == ["spap_lib.x.g: 81 lines"]
+    assert _shape_problems("spap_lib.plan", "def plan(" + ", ".join("abcdefghij") + "):\n    pass\n") == []

@@ -5,11 +5,15 @@ import torch
 import spap_lib as sl
 from spap_lib.methods.spap import alternating
 from spap_lib.methods.spap.alternating import Rounds, adam, alternating_update, subsample
-from spap_lib.methods.spap.penalty import penalty_method
+from spap_lib.methods.spap.penalty import Penalty, penalty_method
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics import linalg, solve
 from spap_lib.numerics.linalg import NumericalError, gram
 from spap_lib.numerics.solve import lstsq_columns, nested_lstsq_errors, reconstruction_error, ridge
+
+
+def _penalty(W0, H, lam, *, bias, **settings):
+    return penalty_method(W0, H, lam, Penalty(**settings), bias=bias)
 
 
 def _data(n=12, d=5, N=200, seed=0):
@@ -83,7 +87,7 @@ def test_penalty_method_returns_feasible_binary_mask(bias, lam, threshold):
     Z, Y = _data()
     Zt = torch.cat([Z, torch.ones(1, Z.shape[1], dtype=Z.dtype)]) if bias else Z
     W0 = torch.randn(Y.shape[0], Zt.shape[0], dtype=torch.float64)
-    keep, W, info = penalty_method(W0, Zt @ Zt.T, lam, bias=bias, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20,
+    keep, W, info = _penalty(W0, Zt @ Zt.T, lam, bias=bias, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20,
                                    damp=0.0, threshold=threshold)
     n = Z.shape[0]
     assert 0 <= info["moved"] <= lam
@@ -106,10 +110,10 @@ def test_one_penalty_iteration_removes_the_first_score_step():
     W0 = torch.randn(Y.shape[0], Z.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     first = set(torch.topk(column_scores(W0, torch.diagonal(H).sqrt(), 0.5), 5, largest=False).indices.tolist())
     for threshold in ("top", "previous"):
-        keep, _, info = penalty_method(W0, H, 5, bias=False, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=1, damp=0.0,
+        keep, _, info = _penalty(W0, H, 5, bias=False, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=1, damp=0.0,
                                        threshold=threshold)
         assert info["moved"] == 0 and set(range(Z.shape[0])) - set(keep.tolist()) == first
-    keep, _, info = penalty_method(W0, H, 5, bias=False, rho0=10.0, tau=2.0, t=0.5, alpha=0.0, K=20, damp=0.0)
+    keep, _, info = _penalty(W0, H, 5, bias=False, rho0=10.0, tau=2.0, t=0.5, alpha=0.0, K=20, damp=0.0)
     assert info["moved"] == len((set(range(Z.shape[0])) - set(keep.tolist())) - first)
 
 
@@ -121,14 +125,14 @@ def test_patience_ends_the_penalty_loop_where_the_marked_set_settles():
     Z = Z + 0.9 * Z[torch.randperm(12, generator=torch.Generator().manual_seed(1))]  # correlated channels
     W0 = torch.randn(5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(101))
     kw = dict(bias=False, rho0=1e-2, tau=1.5, t=1.0, alpha=0.5, K=20, damp=0.0)
-    keep, W, info = penalty_method(W0, Z @ Z.T, 5, **kw)
+    keep, W, info = _penalty(W0, Z @ Z.T, 5, **kw)
     assert info["iterations"] == 20 and info["moved"] == 1  # the set moves once, after the first s-step
     for p in (1, 2, 3):
-        keep_p, W_p, info_p = penalty_method(W0, Z @ Z.T, 5, **kw, patience=p)
+        keep_p, W_p, info_p = _penalty(W0, Z @ Z.T, 5, **kw, patience=p)
         assert info_p["iterations"] == p + 2 and info_p["moved"] == 1  # one move: the count starts again
         assert torch.equal(keep_p, keep) and torch.equal(W_p, W)
     Z, _ = _data()
-    _, _, info = penalty_method(W0, Z @ Z.T, 5, **kw, patience=3)
+    _, _, info = _penalty(W0, Z @ Z.T, 5, **kw, patience=3)
     assert info["iterations"] == 4 and info["moved"] == 0  # a set that never moves: p + 1 iterations
 
 
@@ -142,7 +146,7 @@ def test_penalty_method_finds_planted_support(threshold):
     removed = torch.tensor([1, 2, 5, 8, 13, 15])
     W0[:, removed] = 0
     Zt = torch.cat([Z, torch.ones(1, 400, dtype=Z.dtype)])
-    keep, W, _ = penalty_method(W0, Zt @ Zt.T, lam, bias=True, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0,
+    keep, W, _ = _penalty(W0, Zt @ Zt.T, lam, bias=True, rho0=1e-2, tau=1.5, t=0.5, alpha=0.5, K=20, damp=0.0,
                                 threshold=threshold)
     assert set(keep.tolist()) == set(range(n)) - set(removed.tolist())
     torch.testing.assert_close(W, W0[:, torch.cat([keep, keep.new_tensor([n])])])

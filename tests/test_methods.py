@@ -17,7 +17,9 @@ from spap_lib.methods.spap.algorithm import SPAP
 from spap_lib.methods.spap.alternating import calibration_error
 from spap_lib.model.capture import first_layer_inputs, replay
 from spap_lib.numerics.stats import ChannelStats
-from spap_lib.pipeline.sequential import dense_stats
+from spap_lib.pipeline.sequential import RunSettings, dense_stats
+
+QUIET = RunSettings(progress=False)
 
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 HPARAMS = {"spap": FAST, "spap_gd": FAST, "spap_no_update": {"K": 5}}
@@ -139,7 +141,7 @@ def test_error_curves_weigh_every_token_by_its_own_output_energy():
         Z = mlp.hidden(massive)
         w = (Z @ mlp.W_out.T).double().square().sum(1).rsqrt()
         explicit = (Z.double() * w[:, None]).T @ (Z.double() * w[:, None])
-        assert torch.allclose(gram(mlp, massive, 100, per_token=True), explicit, rtol=1e-4,
+        assert torch.allclose(gram(mlp, massive, 100, weigh="output"), explicit, rtol=1e-4,
                               atol=1e-5 * float(explicit.abs().max()))
     stats = ChannelStats.of(mlp, X, 100)  # the same ranking for every curve: only the weighting differs
 
@@ -428,7 +430,7 @@ def test_score_method_paths_agree(arch, windows):
     a = sl.prune(fresh(), calib, "wanda_sp", 0.3, propagate=True, progress=False)  # per-layer path
     b_loaded = fresh()
     inputs = first_layer_inputs(b_loaded.model, b_loaded.adapter.layers(), windows, 1, "cpu")
-    stats = dense_stats(b_loaded.adapter, inputs, progress=False)
+    stats = dense_stats(b_loaded.adapter, inputs, run=QUIET)
     b = sl.prune(b_loaded, calib, "wanda_sp", 0.3, progress=False, inputs=inputs, stats=stats)
     assert a["propagate"] and not b["propagate"]
     assert a["kept_channels"][0] == b["kept_channels"][0]  # layer 0 sees the same inputs on both paths
@@ -488,13 +490,13 @@ def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
     inputs = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows, 1, torch.device("cpu"))
-    full = dense_stats(loaded.adapter, inputs, progress=False)
+    full = dense_stats(loaded.adapter, inputs, run=QUIET)
     measured = []
     real = stats.ChannelStats.of
     monkeypatch.setattr(stats.ChannelStats, "of", classmethod(lambda cls, *a, **k: measured.append(1) or real(*a, **k)))
     method = sl.get_method("spap", **FAST, allocation="angular")
     assert not method.dense_pass(propagate=True).channels
-    blocks = dense_stats(loaded.adapter, inputs, progress=False, channels=False)
+    blocks = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False)
     assert not measured and [s.angular for s in blocks] == [s.angular for s in full]
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     total = plan.n_remove * len(full)
@@ -524,7 +526,7 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     method = sl.get_method("spap", **hparams)
     first = first_layer_inputs(loaded.model, loaded.adapter.layers(), windows[:half], 1, torch.device("cpu"))
     curve = method.error_curve if allocation == "error" else None
-    expected_stats = dense_stats(loaded.adapter, first, progress=False, curve=curve,
+    expected_stats = dense_stats(loaded.adapter, first, run=QUIET, curve=curve,
                                  channels=method.dense_pass(True).channels)
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     expected = method.removals(expected_stats, plan.width, plan.n_remove * len(expected_stats))
@@ -596,8 +598,8 @@ def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_prod
             out = replay(layer, hidden, {b: kw[i] for b, kw in inputs[1].items()}, 1)[0]
         expected.append(block_angular(hidden, out))
         hidden = out
-    low = dense_stats(loaded.adapter, inputs, progress=False, channels=False, low=True)
-    full = dense_stats(loaded.adapter, inputs, progress=False, channels=False)
+    low = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False, low=True)
+    full = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False)
     assert [s.angular for s in low] == pytest.approx(expected, rel=1e-6)
     assert max(abs(a.angular - b.angular) / b.angular for a, b in zip(low, full)) > 1e-4  # bf16, not float32
     hparams = {**FAST, "allocation": "angular", "allocation_precision": "bf16"}

@@ -8,7 +8,7 @@ import spap_lib as sl
 from spap_lib.artifact.manifest import MANIFEST
 from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
-from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.model.capture import Batching, first_layer_inputs, replay
 from spap_lib.numerics import bf16
 
 FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
@@ -26,7 +26,7 @@ def test_replay_reproduces_the_model(loaded, windows):
     hidden, kwargs = first_layer_inputs(loaded.model, layers, windows, batch_size=3, device="cpu")
     torch.testing.assert_close(hidden, ref[0])
     for i, layer in enumerate(layers[:-1]):  # the last entry of hidden_states has the final norm
-        hidden, _ = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size=3)
+        hidden, _ = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 3)
         torch.testing.assert_close(hidden, ref[i + 1], rtol=1e-4, atol=1e-4)
     assert not any("forward" in layer.__dict__ for layer in layers)
 
@@ -209,8 +209,8 @@ def test_mlp_inputs_are_written_into_the_store_a_batch_at_a_time(loaded, windows
         return stores[-1]
 
     for outputs in (True, False):
-        out, X = replay(layer, hidden, {b: kw[1] for b, kw in kwargs.items()}, 3, watch=ad.mlp_input_module(layer),
-                        outputs=outputs, inputs=store)
+        out, X = replay(layer, hidden, {b: kw[1] for b, kw in kwargs.items()}, Batching(3, inputs=store),
+                        watch=ad.mlp_input_module(layer), outputs=outputs)
         assert X is stores[-1] and torch.equal(X, expected) and (out is None) == (not outputs)
     assert len(stores) == 2
 

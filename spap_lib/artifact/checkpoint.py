@@ -135,5 +135,6 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
         check = lambda tmp: check_reload_streamed(loaded, tmp, sample, logits)  # noqa: E731
         write = (lambda tmp: write_checkpoint_weights(loaded.model, loaded.onloader, tmp)) \
             if loaded.offload == "disk" else None
-    return save_pruned(loaded.model, loaded.tokenizer, out_dir, fields, extra_files={PLAN: plan},
-                          overwrite=overwrite, protect=protect, check=check, write=write)
+    write = write or (lambda tmp: loaded.model.save_pretrained(tmp, safe_serialization=True))
+    return save_pruned(write, loaded.tokenizer, out_dir, fields, extra_files={PLAN: plan}, overwrite=overwrite,
+                       protect=protect, check=check)

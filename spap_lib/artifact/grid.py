@@ -36,7 +36,7 @@ from spap_lib.methods import Unsupported, get_method, parse_label
 from spap_lib.model.capture import first_layer_inputs
 from spap_lib.model.loading import Loaded
 from spap_lib.pipeline.resume import LayerCheckpoint
-from spap_lib.pipeline.sequential import allocation_inputs, dense_stats
+from spap_lib.pipeline.sequential import RunSettings, allocation_inputs, dense_stats
 
 # Columns that identify a cell: a row with the same values is not recomputed.
 KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
@@ -128,9 +128,9 @@ class Grid:
         key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if low else "")
         if key not in self._passes:
             t0 = time.perf_counter()
-            stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size),
-                                batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, curve=curve,
-                                channels=channels, low=low)
+            run = RunSettings(batch_size=self.batch_size, chunk=self.chunk, progress=self.progress)
+            stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size), run=run,
+                                curve=curve, channels=channels, low=low)
             self._passes[key] = (stats, time.perf_counter() - t0)
         return self._passes[key]
 

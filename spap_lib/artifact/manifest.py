@@ -176,19 +176,19 @@ def write_manifest(path: str | os.PathLike, **fields) -> None:
     write_json_atomic(path, manifest(**fields))
 
 
-def save_pruned(model, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict,
+def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: dict,
                 extra_files: dict[str, object] | None = None, *, overwrite: bool = False,
-                protect: dict | None = None, check=None, write=None) -> Path:
-    """``save_pretrained`` (safetensors) + tokenizer + JSON files + manifest, installed atomically.
+                protect: dict | None = None, check=None) -> Path:
+    """The weights (``write(tmp)``: ``save_pretrained`` in safetensors, or an offloaded model's own shards) +
+    tokenizer + JSON files + manifest, installed atomically.
 
-    ``write(tmp)`` replaces ``model.save_pretrained`` (an offloaded model writes its own shards).
     ``check(tmp) -> dict`` runs on the finished scratch copy before it is installed (the reload
     check): if it raises, ``out_dir`` is left exactly as it was. Its result is stored in the
     manifest under ``checks``. Stock-loadable.
     """
     check_out_dir(out_dir, overwrite=overwrite, protect=protect)
     with atomic_dir(out_dir) as tmp:
-        (write or (lambda folder: model.save_pretrained(folder, safe_serialization=True)))(tmp)
+        write(tmp)
         tokenizer.save_pretrained(tmp)
         for name, obj in (extra_files or {}).items():
             write_json_atomic(tmp / name, obj)

@@ -191,13 +191,25 @@ def time_generation(model, prompt: torch.Tensor, new_tokens: int, repeats: int, 
             "peak_mem_mb": peak, "decode": path, "decode_reason": reason, "tokens": tokens[0].tolist()}
 
 
-def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens: int, repeats: int, warmup: int,
-           threads: int | None, decode: str):
+@dataclass(frozen=True)
+class Timing:
+    """What one profile times: a random prompt of ``prompt_len`` tokens, then ``new_tokens`` generated greedily,
+    ``repeats`` timed runs after ``warmup`` untimed ones, on ``threads`` (None: torch's default), along the decode
+    path ``decode`` (``decode_path``; "auto" picks one per device)."""
+    prompt_len: int = 32
+    new_tokens: int = 1024
+    repeats: int = 3
+    warmup: int = 1
+    threads: int | None = None
+    decode: str = "auto"
+
+
+def _child(queue, variant: Variant, load_args: dict, timing: Timing):
     try:
         from spap_lib.model.loading import load
 
-        if threads:
-            torch.set_num_threads(threads)
+        if timing.threads:
+            torch.set_num_threads(timing.threads)
         loaded = load(variant.source, **load_args)
         if variant.kept_channels is not None:
             loaded.adapter.keep_channels(variant.kept_channels)
@@ -208,8 +220,8 @@ def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens
             free_device_memory(loaded.device)
         gen = torch.Generator().manual_seed(0)
         vocab = loaded.model.get_input_embeddings().weight.shape[0]
-        prompt = torch.randint(0, vocab, (1, prompt_len), generator=gen).to(loaded.device)
-        result = time_generation(loaded.model, prompt, new_tokens, repeats, warmup, decode)
+        prompt = torch.randint(0, vocab, (1, timing.prompt_len), generator=gen).to(loaded.device)
+        result = time_generation(loaded.model, prompt, timing.new_tokens, timing.repeats, timing.warmup, timing.decode)
         read = weights_read_per_token(loaded.model)
         queue.put({**result, "weights_read": read, "bytes_read": read * loaded.model.dtype.itemsize,
                    "device": str(loaded.device), "threads": torch.get_num_threads()})
@@ -217,17 +229,15 @@ def _child(queue, variant: Variant, load_args: dict, prompt_len: int, new_tokens
         queue.put({"error": f"{type(err).__name__}: {err}"})
 
 
-def profile(model: str | Variant, *, device: str = "auto", dtype: str = "auto", prompt_len: int = 32,
-            new_tokens: int = 1024, repeats: int = 3, warmup: int = 1, threads: int | None = None,
-            decode: str = "auto") -> dict:
+def profile(model: str | Variant, *, device: str = "auto", dtype: str = "auto", **timing) -> dict:
     """Profile one model (alias, checkpoint dir or ``Variant``) in a fresh process; returns timings and memory.
-    ``decode``: the decode path (``decode_path``; "auto" picks one per device)."""
+    ``timing``: ``Timing``'s fields (prompt length, tokens, repeats, warm-up, threads, decode path)."""
     variant = model if isinstance(model, Variant) else Variant(model)
-    decode_path(torch.device("cpu"), decode)  # an unknown path fails here, before a process is spawned
+    timing = Timing(**timing)
+    decode_path(torch.device("cpu"), timing.decode)  # an unknown path fails here, before a process is spawned
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, variant, {"device": device, "dtype": dtype}, prompt_len,
-                                            new_tokens, repeats, warmup, threads, decode))
+    proc = ctx.Process(target=_child, args=(queue, variant, {"device": device, "dtype": dtype}, timing))
     proc.start()
     result = queue.get()
     proc.join()

@@ -142,10 +142,10 @@ def evaluate(model, tokenizer, tasks: list[str], limit: int | None = None, batch
     return rows
 
 
-def score(loaded, eval_seqlens: list[int], eval_windows: int | None, tasks: list[str], limit: int | None = None,
-          batch_size: int = 1, hub: bool = False, seed: int = 0, cache_dir: str | Path | None = None) -> list[dict]:
+def score(loaded, eval_seqlens: list[int], eval_windows: int | None, tasks: list[str], **options) -> list[dict]:
     """Table 3's rows for one loaded model: WikiText-2 perplexity at each of ``eval_seqlens`` (first
-    ``eval_windows`` test windows; None: all), then zero-shot accuracy on ``tasks``."""
+    ``eval_windows`` test windows; None: all), then zero-shot accuracy on ``tasks`` (``options``: ``evaluate``'s
+    keywords, ``limit``, ``batch_size``, ``hub``, ``seed``, ``cache_dir``)."""
     from spap_lib.evaluation.perplexity import perplexity
 
     rows = []
@@ -153,8 +153,7 @@ def score(loaded, eval_seqlens: list[int], eval_windows: int | None, tasks: list
         ppl = perplexity(loaded.model, loaded.tokenizer, s, eval_windows)
         rows.append({"task": "wikitext2", "metric": f"ppl@{s}", "value": ppl["ppl"], "stderr": float("nan"),
                      "n": ppl["windows"], "source": ppl["source"]})
-    return rows + evaluate(loaded.model, loaded.tokenizer, tasks, limit=limit, batch_size=batch_size, hub=hub,
-                           seed=seed, cache_dir=cache_dir)
+    return rows + evaluate(loaded.model, loaded.tokenizer, tasks, **options)
 
 
 def table3(table, stderr: bool = False):

@@ -8,6 +8,8 @@ Every patch and hook is undone by a context manager, even when a step raises.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -115,8 +117,8 @@ def streamed_logits(model: nn.Module, onloader, windows: torch.Tensor, consume, 
         hidden, kwargs = first_layer_inputs(model, layers, windows, 1, device, store=onloader.activations)
     for i in range(len(layers)):
         with onloader.layer(i) as layer:
-            hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, 1, device=device,
-                            store=onloader.activations)[0]
+            hidden = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()},
+                            Batching(1, device, onloader.activations))[0]
     spans = spans or [(0, windows.shape[1])]
     with onloader.base():
         for w in range(windows.shape[0]):
@@ -168,26 +170,40 @@ def capture_inputs(module: nn.Module, stop: bool = False):
         handle.remove()
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How ``replay`` cuts and places its batches: ``size`` windows per batch; ``device`` where each runs (None:
+    where ``hidden`` is; else each batch moves there: ``hidden`` may wait in host memory or a spill file);
+    ``store(shape, dtype)`` allocates the outputs (None: where ``hidden`` is) and ``inputs(shape, dtype)`` the
+    watched module's inputs (None: on the device; an onloader's ``calibration`` keeps them in host memory when the
+    layer's weights are offloaded); with ``finite`` (what the outputs are, for the message) every output batch is
+    checked for NaN/Inf."""
+    size: int = 1
+    device: torch.device | None = None
+    store: Callable | None = None
+    inputs: Callable | None = None
+    finite: str | None = None
+
+
 @torch.no_grad()
-def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batch_size: int, watch: nn.Module | None = None,
-           device=None, store=None, finite: str | None = None, outputs: bool = True, inputs=None,
-           attention: nn.Module | None = None, reuse: torch.Tensor | None = None):
-    """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches.
+def replay(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, batching: Batching | int,
+           watch: nn.Module | None = None, *, outputs: bool = True, attention: nn.Module | None = None,
+           reuse: torch.Tensor | None = None):
+    """Run ``hidden [n, seqlen, d]`` through ``layer`` in batches (``batching``; an int: that many windows per
+    batch, where ``hidden`` is).
 
     Returns the layer outputs and, if ``watch`` is given, the inputs seen by ``watch`` as
     ``[n·seqlen, d_in]`` (for us: the MLP inputs after the layer's norm), written batch by batch into
-    ``inputs(shape, dtype)`` (default: on the device; an onloader's ``calibration`` keeps them in host memory when
-    the layer's weights are offloaded). With ``device``, ``hidden`` may wait elsewhere (host memory, a spill
-    file): each batch is moved there; the outputs go batch by batch into ``store(shape, dtype)`` (default: where
-    ``hidden`` is). With ``finite`` (what the outputs are, for the message), every output batch is checked for
-    NaN/Inf. ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None (a
-    pipeline that recomputes them through the pruned layer skips the dense MLP's work).
+    ``batching.inputs``. ``outputs=False`` (with ``watch``): each batch stops at ``watch``, and the outputs are None
+    (a pipeline that recomputes them through the pruned layer skips the dense MLP's work).
 
     ``attention`` (the layer's attention module, whose output the MLP does not change): with ``outputs=False``
-    its outputs are kept, in ``store``, and returned in place of the layer's; given those as ``reuse`` (from a
-    replay of the same ``hidden`` and batches), its forward is skipped, each batch reading its kept rows, and
-    the layer's outputs overwrite them in place. A pruned layer's replay then costs its MLP and norms only.
+    its outputs are kept, in ``batching.store``, and returned in place of the layer's; given those as ``reuse``
+    (from a replay of the same ``hidden`` and batches), its forward is skipped, each batch reading its kept rows,
+    and the layer's outputs overwrite them in place. A pruned layer's replay then costs its MLP and norms only.
     """
+    b = batching if isinstance(batching, Batching) else Batching(batching)
+    batch_size, device, store, inputs, finite = b.size, b.device, b.store, b.inputs, b.finite
     seen = None if watch is None else _Rows(hidden.shape[0], inputs)
     out = reuse  # filled batch by batch: no list of batches concatenated at the end (both alive at once)
     keep = attention is not None and reuse is None and not outputs

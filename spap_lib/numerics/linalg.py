@@ -151,24 +151,25 @@ def mirror(H: torch.Tensor) -> torch.Tensor:
 
 
 def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
-         low: bool = False, per_token: bool = False, reference: torch.Tensor | None = None, each=None):
+         low: bool = False, weigh: str | torch.Tensor | None = None, each=None):
     """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
     ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias), on the MLP's device
     (``X`` and ``Y`` may wait elsewhere: ``rows``): float32 products of each chunk, summed in ``dtype``. With
     ``low``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of
     the rounded ``Z``, so it is still positive semidefinite (a bf16-rounded Gram matrix is not, and its damped
-    Cholesky can fail). With ``per_token``, each token's ``z̃`` is divided by the norm of its own output
+    Cholesky can fail). With ``weigh="output"``, each token's ``z̃`` is divided by the norm of its own output
     ``‖mlp(x)‖``: then ``⟨W H, W⟩`` and ``W H`` are the output errors and targets of every token relative to its
-    own output energy, so a few tokens with massive outputs do not outweigh the rest. With ``reference`` (``[N]``
-    energies, aligned with ``X``'s rows), each ``z̃`` is divided by ``√reference`` instead: the errors of every
-    token relative to, e.g., the hidden state its output is added to. ``each`` is called with every chunk's ``Z`` as
-    computed (before the ones row and any weighting), so that a second sum over the same activations needs no
-    second forward (the error curve's channel statistics, ``ChannelStats.add``)."""
+    own output energy, so a few tokens with massive outputs do not outweigh the rest. With ``weigh`` a tensor of
+    ``[N]`` reference energies (aligned with ``X``'s rows), each ``z̃`` is divided by ``√reference`` instead: the
+    errors of every token relative to, e.g., the hidden state its output is added to. ``each`` is called with
+    every chunk's ``Z`` as computed (before the ones row and any weighting), so that a second sum over the same
+    activations needs no second forward (the error curve's channel statistics, ``ChannelStats.add``)."""
     bias = mlp.b_out is not None
     n, device = mlp.width + bias, mlp.W_out.device
     H = torch.zeros(n, n, dtype=dtype, device=device)
     YZ = None if Y is None else torch.zeros(Y.shape[1], n, dtype=dtype, device=device)
-    W = mlp.out_augmented().float() if per_token and reference is None else None  # the outputs weigh the tokens
+    reference = weigh if isinstance(weigh, torch.Tensor) else None
+    W = mlp.out_augmented().float() if isinstance(weigh, str) and weigh == "output" else None  # outputs weigh tokens
     for start in range(0, X.shape[0], chunk):
         with products(low, device):
             Z = mlp.hidden(rows(X, start, start + chunk, device).float())

@@ -7,6 +7,7 @@ layer sees dense activations (one pass per layer instead of two).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -16,7 +17,7 @@ from spap_lib.methods.parts import allocation as alloc
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.methods.scores import ScoreMethod
 from spap_lib.model.adapters import Adapter
-from spap_lib.model.capture import first_layer_inputs, replay
+from spap_lib.model.capture import Batching, first_layer_inputs, replay
 from spap_lib.model.offload import Onloader
 from spap_lib.numerics.linalg import (
     NumericalError,
@@ -32,8 +33,19 @@ from spap_lib.numerics.stats import ChannelStats, block_angular
 from spap_lib.pipeline.sparsity import SparsityPlan
 
 
-def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None, batch_size: int = 1,
-                chunk: int = 8192, progress: bool = True, curve=None, channels: bool = True,
+@dataclass(frozen=True)
+class RunSettings:
+    """How the pipeline runs a prune: settings of memory and reporting, and the two that decide results (``seed``,
+    ``propagate``)."""
+    batch_size: int = 1  # calibration windows per forward
+    chunk: int = 8192  # tokens per pass of the Gram and error sums (memory, not results)
+    seed: int = 0
+    propagate: bool | None = None  # layer i+1 calibrated on the pruned layer i's outputs; None: the method's own
+    progress: bool = True
+
+
+def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None,
+                run: RunSettings = RunSettings(), curve=None, channels: bool = True,
                 low: bool = False) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
@@ -47,18 +59,18 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     onloader = onloader or _resident(adapter)
     hidden, kwargs = inputs
     stats = []
-    for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not progress):
+    for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not run.progress):
         with onloader.layer(i) as layer:
             watch = adapter.mlp_input_module(layer) if channels or curve is not None else None
             with products(low, onloader.device):
-                out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, batch_size, watch=watch,
-                                device=onloader.device, store=onloader.activations, inputs=onloader.calibration)
+                out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, _batching(onloader, run),
+                                watch)
             if X is None:
                 s = ChannelStats.blocks_only(hidden.shape[0] * hidden.shape[1])
             else:
                 check_finite(X, f"layer {i}: the MLP inputs")
                 mlp = adapter.get_mlp(layer)
-                c = chunk_for(mlp.width, chunk)
+                c = chunk_for(mlp.width, run.chunk)
                 if curve is None:
                     s = ChannelStats.of(mlp, X, c)
                 else:  # with the energy of every token's block output, which its MLP output joins; the curve's pass
@@ -78,6 +90,11 @@ def allocation_inputs(inputs: tuple, share: float, batch_size: int) -> tuple:
     hidden, kwargs = inputs
     k = max(batch_size, round(share * hidden.shape[0] / batch_size) * batch_size)
     return inputs if k >= hidden.shape[0] else (hidden[:k], kwargs)
+
+
+def _batching(onloader: Onloader, run: RunSettings, finite: str | None = None) -> Batching:
+    """A replay's batches, placed where the onloader keeps activations and calibration inputs."""
+    return Batching(run.batch_size, onloader.device, onloader.activations, onloader.calibration, finite)
 
 
 def _resident(adapter: Adapter) -> Onloader:
@@ -118,6 +135,7 @@ def prune_model(
     and resumes after the last one it finds (removed once the run completes).
     """
     propagate = method.propagates if propagate is None else propagate
+    run = RunSettings(batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate, progress=progress)
     onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
     method.prepare(adapter)  # architecture checks before any work
     t0 = time.perf_counter()
@@ -130,9 +148,8 @@ def prune_model(
     t_alloc = time.perf_counter()
     scoring = dense is not None and dense.scores  # a pass the method's scores need anyway
     if dense is not None and (stats is None or curve and any(s.curve is None for s in stats)):
-        stats = dense_stats(adapter, allocation_inputs(inputs, dense.share, batch_size), onloader=onloader,
-                            batch_size=batch_size, chunk=chunk, progress=progress, curve=curve,
-                            channels=dense.channels, low=dense.bf16)
+        stats = dense_stats(adapter, allocation_inputs(inputs, dense.share, batch_size), onloader=onloader, run=run,
+                            curve=curve, channels=dense.channels, low=dense.bf16)
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \
@@ -152,9 +169,8 @@ def prune_model(
         hidden, kwargs = inputs
         carry = [hidden]
         del inputs, hidden
-        per_layer, kept, resumed = _prune_sequential(
-            adapter, method, onloader, carry, kwargs, removals, batch_size=batch_size, chunk=chunk, seed=seed,
-            propagate=propagate, progress=progress, checkpoint=checkpoint)
+        per_layer, kept, resumed = _prune_sequential(adapter, method, onloader, (carry, kwargs), removals, run,
+                                                     checkpoint)
     adapter.set_config_width([len(k) for k in kept])
     if checkpoint is not None and checkpoint.clear_when_done:
         checkpoint.clear()
@@ -186,10 +202,11 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader,
     return per_layer, kept
 
 
-def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carry: list[torch.Tensor], kwargs: dict,
-                      removals: list[int], *, batch_size: int, chunk: int, seed: int, propagate: bool, progress: bool,
-                      checkpoint=None):
+def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, inputs: tuple[list, dict],
+                      removals: list[int], run: RunSettings, checkpoint=None):
+    carry, kwargs = inputs
     hidden = carry.pop()  # the only reference: layer i's inputs are freed once layer i+1's exist
+    batch_size, propagate = run.batch_size, run.propagate
     precision = resolve_precision(method.precision, onloader.device)
     per_layer, kept, start = [], [], 0
     state = checkpoint.load() if checkpoint is not None else None
@@ -201,7 +218,7 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
                 onloader.finished(i)
         del hidden
         hidden = checkpoint.hidden(state, onloader.activations, batch_size)
-    for i in tqdm(range(start, len(adapter.layers())), desc=f"{method.name} layers", disable=not progress,
+    for i in tqdm(range(start, len(adapter.layers())), desc=f"{method.name} layers", disable=not run.progress,
                   initial=start, total=len(adapter.layers())):
         layer_kwargs = {b: kw[i] for b, kw in kwargs.items()}
         with onloader.layer(i) as layer:
@@ -213,12 +230,11 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             # Propagating, the dense outputs are never used (the pruned layer's replace them): stop at the MLP,
             # keeping the attention's outputs, which the pruned layer's replay reuses.
             attention = adapter.attention_module(layer) if propagate else None
-            out, X = replay(layer, hidden, layer_kwargs, batch_size, watch=adapter.mlp_input_module(layer),
-                            device=onloader.device, store=onloader.activations, outputs=not propagate,
-                            inputs=onloader.calibration, attention=attention)
+            out, X = replay(layer, hidden, layer_kwargs, _batching(onloader, run), adapter.mlp_input_module(layer),
+                            outputs=not propagate, attention=attention)
             check_finite(X, f"layer {i}: the MLP inputs")
-            problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device, chunk=chunk,
-                                      seed=seed, layer_index=i)
+            problem = LayerProblem.of(method, adapter.get_mlp(layer), X, removals[i], onloader.device,
+                                      chunk=run.chunk, seed=run.seed, layer_index=i)
             # A layer whose output no channel affects (all-zero activations or output projection) has
             # nothing to fit: the dense weights of the kept channels already reproduce it exactly.
             with matmul_precision(precision):
@@ -227,9 +243,8 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, carr
             adapter.set_mlp(layer, result.mlp)
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
             if propagate:
-                out = replay(layer, hidden, layer_kwargs, batch_size, device=onloader.device,
-                             store=onloader.activations, finite=f"layer {i}: the outputs of the pruned layer",
-                             attention=attention, reuse=out)[0]
+                checked = _batching(onloader, run, finite=f"layer {i}: the outputs of the pruned layer")
+                out = replay(layer, hidden, layer_kwargs, checked, attention=attention, reuse=out)[0]
             onloader.finished(i)
         hidden = out
         per_layer.append({"layer": i, "removed": removals[i], **result.info})

@@ -40,7 +40,7 @@ from spap_lib.methods.parts.selection import SELECTIONS, UPDATES, column_scores
 from spap_lib.methods.spap.alternating import Rounds
 from spap_lib.methods.spap.cost import layer_cost, token_samples
 from spap_lib.methods.spap.curves import error_curve
-from spap_lib.methods.spap.penalty import penalty_method, with_bias
+from spap_lib.methods.spap.penalty import Penalty, penalty_method, with_bias
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.linalg import (
     PRECISION_CHOICES,
@@ -226,9 +226,9 @@ class SPAP(Method):
 
     def penalty(self, dense: MLP, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Alg. 1 with this method's settings on the dense MLP's Gram matrix ``H`` (``penalty_method``)."""
-        return penalty_method(dense.out_augmented(), H, n_remove, bias=dense.b_out is not None, rho0=self.rho0,
-                              tau=self.tau, t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
-                              threshold=self.threshold, scale_free=self.score_scale == "layer", patience=self.patience)
+        settings = Penalty(rho0=self.rho0, tau=self.tau, t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
+                           threshold=self.threshold, scale_free=self.score_scale == "layer", patience=self.patience)
+        return penalty_method(dense.out_augmented(), H, n_remove, settings, bias=dense.b_out is not None)
 
     def refit(self, problem: LayerProblem, keep: torch.Tensor) -> torch.Tensor:
         """The output projection's kept columns (+ bias) by least squares on the dense Gram matrix, drawn toward the

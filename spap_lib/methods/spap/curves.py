@@ -44,8 +44,8 @@ def error_curve(m: SPAP, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.
         stats = ChannelStats.of(mlp, X, chunk)
     taken = ChannelStats.empty(mlp.width, mlp.W_out.device) if stats is None else None
     with matmul_precision(precision):
-        H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], per_token=weight == "token",
-                 reference=reference, each=None if taken is None else taken.add)
+        weigh = reference if reference is not None else "output" if weight == "token" else None
+        H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], weigh=weigh, each=None if taken is None else taken.add)
     stats = taken if stats is None else stats
     check_finite(H, "the error curve's Gram matrix entries")
     n, bias = mlp.width, mlp.b_out is not None

@@ -8,6 +8,8 @@ of the kept columns end it. Everything works from ``H`` and ``Y Z̃ᵀ = W₀ H`
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from spap_lib.methods.parts.selection import column_scores
@@ -15,49 +17,50 @@ from spap_lib.numerics.linalg import mean_diag
 from spap_lib.numerics.solve import lstsq_columns, ridge
 
 
-def penalty_method(
-    W0: torch.Tensor,
-    H: torch.Tensor,
-    lam: int,
-    *,
-    bias: bool,
-    rho0: float,
-    tau: float,
-    t: float,
-    alpha: float,
-    K: int,
-    damp: float,
-    threshold: str = "top",
-    scale_free: bool = False,
-    patience: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
+@dataclass(frozen=True)
+class Penalty:
+    """Alg. 1's settings, named as in the paper: ``ρ0``, ``τ``, the score's ``t``, the soft-mask step ``α``, ``K``
+    iterations, and the damping ``δ`` (relative to the mean of ``diag H``); and the s-step's variants."""
+    rho0: float
+    tau: float
+    t: float
+    alpha: float
+    K: int
+    damp: float
+    threshold: str = "top"
+    scale_free: bool = False
+    patience: int = 0
+
+
+def penalty_method(W0: torch.Tensor, H: torch.Tensor, lam: int, p: Penalty, *,
+                   bias: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Alg. 1 on ``W0 [d, n(+1)]`` and ``H = Z̃ Z̃ᵀ``; with ``bias`` the last column/row is the bias.
 
-    ``threshold`` is the s-step's rule: ``"top"`` marks the λ lowest scores of this iteration;
+    ``p.threshold`` is the s-step's rule: ``"top"`` marks the λ lowest scores of this iteration;
     ``"previous"`` is Algorithm 1 as printed, marking every channel whose score falls below
     ``Top_{n−λ}`` of the *previous* iteration's scores (so the count may differ from λ; the hard
     mask at the end removes exactly λ either way).
     Returns the kept channel indices (sorted), the refitted ``W[:, keep (+bias)]`` and diagnostics,
     among them ``moved``: how many removed channels differ from the first score step's choice, and ``iterations``.
-    ``scale_free``: each score term divided by its mean over the layer (``column_scores``). ``patience`` > 0 ends
+    ``p.scale_free``: each score term divided by its mean over the layer (``column_scores``). ``p.patience`` > 0 ends
     the loop once ``s_new`` has marked the same channels at that many consecutive s-steps (0: all K iterations).
     """
     dtype = H.dtype  # the method's precision
     n = H.shape[0] - int(bias)
     scale = mean_diag(H[:n, :n])
-    delta = damp * scale
+    delta = p.damp * scale
     znorm = torch.diagonal(H)[:n].clamp_min(0).sqrt()  # ‖Z_j‖₂ over all calibration tokens
     YZ = W0.to(dtype) @ H  # = Y Z̃ᵀ, since Y = W0 Z̃
     # Alg. 1, input: W ← W0, s ← 0, ρ ← ρ0
     W = W0.to(dtype)
     s = torch.zeros(n, dtype=dtype, device=H.device)
-    rho = rho0 * scale
+    rho = p.rho0 * scale
     previous, first, marked, stable, k = None, None, None, 0, 0
-    for k in range(1, K + 1):  # Alg. 1: for k = 1, …, K
+    for k in range(1, p.K + 1):  # Alg. 1: for k = 1, …, K
         # s-step: s_new marks the columns of lowest score; s moves toward it
-        score = column_scores(W[:, :n], znorm, t, scale_free)
+        score = column_scores(W[:, :n], znorm, p.t, p.scale_free)
         s_new = torch.zeros_like(s)
-        if threshold == "previous" and previous is not None and 0 < lam < n:
+        if p.threshold == "previous" and previous is not None and 0 < lam < n:
             # Alg. 1 as printed: s_new_j = 1 iff score_j < Top_{n−λ}(previous scores)
             s_new[score < torch.topk(previous, n - lam).values[-1]] = 1.0
         else:
@@ -65,24 +68,24 @@ def penalty_method(
         if first is None:
             first = torch.topk(score, lam, largest=False).indices  # the first score step's λ channels
         previous = score
-        if patience:  # the comparison waits for the device: only where it can end the loop
+        if p.patience:  # the comparison waits for the device: only where it can end the loop
             stable = stable + 1 if marked is not None and torch.equal(s_new, marked) else 0
         marked = s_new
-        s = alpha * s + (1 - alpha) * s_new
+        s = p.alpha * s + (1 - p.alpha) * s_new
         # W-step: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + ρ diag(s) + δI)⁻¹ (the bias column is never penalised)
         penalty = torch.full((H.shape[0],), delta, dtype=dtype, device=H.device)
         penalty[:n] += rho * s
         W = ridge(YZ, H, penalty)
         # ρ ← τρ
-        rho *= tau
+        rho *= p.tau
         # The set s_new marks only grows more stable: the penalised columns shrink and score lower still. After
         # ``patience`` unchanged s-steps the rest of the K iterations kept every mask measured
         # (docs/method/update-cost.md: patience).
-        if patience and stable >= patience:
+        if p.patience and stable >= p.patience:
             break
     # Alg. 1, output: the hard mask (the λ channels s marks most strongly; ties go to the lower
     # score), then W refitted on the kept columns only.
-    score = column_scores(W[:, :n], znorm, t, scale_free)
+    score = column_scores(W[:, :n], znorm, p.t, p.scale_free)
     by_score = torch.argsort(score)
     order = by_score[torch.argsort(-s[by_score], stable=True)]
     keep_mask = torch.ones(n, dtype=torch.bool, device=H.device)
