@@ -88,6 +88,7 @@ figures: setup
 # on smoke copies of the notebooks (configs/smoke.yaml injected with papermill --prepare-only).
 # Each notebook executes once: nbval runs the smoke copies first (collected before tests/), in order
 # 01 -> 05 into build/smoke_run, and tests/test_notebooks.py checks what they recorded there.
+# The GGUF models' conversions (docs/scale.md: Loading a GGUF model) in build/cache: read once per checkout.
 SMOKE_NB := build/smoke_notebooks
 SMOKE_RUN := $(CURDIR)/build/smoke_run
 test: setup
@@ -97,7 +98,7 @@ test: setup
 		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml \
 			-p run_dir $(SMOKE_RUN) || exit 1; \
 	done
-	SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=15 --nbval-lax $(SMOKE_NB) tests
+	SPAP_CACHE_DIR=$(CURDIR)/build/cache SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=15 --nbval-lax $(SMOKE_NB) tests
 
 clean:
 	rm -rf runs

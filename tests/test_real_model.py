@@ -91,3 +91,36 @@ def test_committed_headline_cells_reproduce():
     sl.prune(loaded, calib, "fasp", 0.2, progress=False)
     pruned = sl.perplexity_of_ids(loaded.model, ids, 512, windows, progress=False)["ppl"]
     assert pruned == pytest.approx(fasp_row["ppl"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_a_gguf_read_once_loads_as_the_same_model_from_its_conversion(tmp_path, monkeypatch):
+    """The offline default is read from its GGUF once and converted (``model.converted``); every later load reads
+    the conversion: the same weights, config and tokens. A conversion of another file or converter is not used;
+    one that does not load is removed (and made again by the next load)."""
+    import json
+
+    from spap_lib.model import converted
+
+    monkeypatch.setenv("SPAP_CACHE_DIR", str(tmp_path / "cache"))
+    first = sl.load("smollm2-135m", device="cpu")  # from the GGUF, converted on the way
+    [folder] = (tmp_path / "cache" / "gguf").iterdir()
+    again = sl.load("smollm2-135m", device="cpu")
+    a, b = first.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert first.model.config.to_dict() == again.model.config.to_dict()
+    text = sl.wikitext("validation").text[:20_000]
+    assert tokenize(first.tokenizer, text).tolist() == tokenize(again.tokenizer, text).tolist()
+    gguf = sl.resolve("smollm2-135m")
+    gguf = f"{gguf.path}/{gguf.gguf_file}"
+    assert converted.folder(gguf) == folder
+    record = json.loads((folder / converted.RECORD).read_text())
+    for key, other in (("gguf_sha256", "0" * 64), ("transformers", "0.0.0")):
+        (folder / converted.RECORD).write_text(json.dumps({**record, key: other}))
+        assert converted.folder(gguf) is None  # another file or converter: converted again, never reused
+    (folder / converted.RECORD).write_text(json.dumps(record))
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # cut short
+    with pytest.warns(UserWarning, match="does not load"):
+        assert converted.load_converted(folder, torch.float32, gguf) is None
+    assert not folder.exists() and converted.folder(gguf) is None

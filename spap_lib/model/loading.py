@@ -16,6 +16,8 @@ import torch
 
 from spap_lib.errors import ParameterError, SourceError
 from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
+from spap_lib.model.converted import convert, load_converted
+from spap_lib.model.converted import folder as converted_folder
 from spap_lib.model.formats import CheckpointFormat, format_of, register_format
 from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_offload, load_base
 from spap_lib.model.sources import (
@@ -87,11 +89,19 @@ def check_source_weights(source: ModelSource) -> None:
     check_weights(source.path, _skeleton(source, torch.float32))
 
 
+def _converted(source: ModelSource) -> Path | None:
+    """The cache folder of a GGUF source converted before (``model.converted``), else None."""
+    return converted_folder(Path(source.path) / source.gguf_file) if source.kind == "gguf" else None
+
+
 def read_config(source: ModelSource):
-    """The model's ``transformers`` config, without reading any weight (GGUF: metadata only)."""
+    """The model's ``transformers`` config, without reading any weight (GGUF: metadata only, or the config of its
+    conversion)."""
     from transformers import AutoConfig
 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
+    if (cached := _converted(source)) is not None:
+        return AutoConfig.from_pretrained(cached)
     if source.kind == "dir":
         raw = json.loads((Path(source.path) / "config.json").read_text())
         if (fmt := format_of(raw)) is not None and fmt.read_config is not None:
@@ -287,10 +297,19 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     fmt = format_of(raw)
     if fmt is not None and fmt.resident_only and offload != "none":
         raise ParameterError(f"{name} is a {fmt.describe}: it loads resident only, offload='none' (got {offload!r})")
+    cached = _converted(source)  # a GGUF read before: its safetensors folder (``model.converted``)
     with _readable(source):
+        if cached is not None and offload != "disk" and (got := load_converted(cached, dt, source.path)) is not None:
+            model, tokenizer = got
+            adapter = get_adapter(model)
+            onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
+                HostOffload(model, adapter.layers(), dev)
+            model.to(dev if offload == "none" else "cpu").eval()
+            return Loaded(model, tokenizer, adapter, source, dev, onloader)
         # The tokenizer first: from a GGUF it parses the whole vocabulary into transient Python objects, which then
         # peak beside nothing rather than beside the weights (docs/scale.md: Same answer).
-        tokenizer = AutoTokenizer.from_pretrained(source.path, **extra)
+        tokenizer = AutoTokenizer.from_pretrained(cached, **_hub_kwargs(source)) if cached is not None else \
+            AutoTokenizer.from_pretrained(source.path, **extra)
         if offload == "disk":
             model = _skeleton(source, dt)
             adapter = get_adapter(model)
@@ -304,6 +323,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
                 model, report = AutoModelForCausalLM.from_pretrained(
                     source.path, dtype=dt, output_loading_info=True, **extra, **_dequantize(source))
                 _check_loading_report(name, source, report)
+                if source.kind == "gguf":
+                    convert(Path(source.path) / source.gguf_file, model, tokenizer)
             adapter = get_adapter(model)
             onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
                 HostOffload(model, adapter.layers(), dev)

@@ -69,20 +69,20 @@ class SPAP(Method):
     update: str = hp("alternating", choices=UPDATES)
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (docs/parameters.md: SPAP
     # hyperparameters, how each was chosen). The penalty-loop settings barely moved it; lr and rounds did.
-    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (t=1, weights only, is worse)
+    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (docs/parameters.md)
     # the score's two terms as they are ("none", the paper) or each divided by its mean over the layer ("layer")
     score_scale: str = hp("none", choices=("none", "layer"))
     alpha: float = hp(0.5, ge=0, lt=1)  # soft mask update s ← αs + (1−α)s_new (α = 1 would never move s)
     rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
     tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
-    K: int = hp(20, ge=1)  # penalty iterations (10 and 30 gave the same masks; ρ grows by τᴷ)
+    K: int = hp(20, ge=1)  # penalty iterations; ρ grows by τᴷ (docs/parameters.md: how each was chosen)
     # End the loop once s_new has marked the same channels at this many consecutive s-steps (0: all K, the paper).
     # 3 kept every measured layer's channels in fewer solves (docs/method/update-cost.md: patience)
     patience: int = hp(0, ge=0)
     # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
     # previous iteration's scores)
     threshold: str = hp("top", choices=("top", "previous"))
-    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (1e-4 and 1e-2 were worse)
+    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (docs/parameters.md)
     # The least-squares refit of the kept columns drawn toward their dense weights, min ‖Y − W Z_K‖² + μ‖W − W₀_K‖²
     # with μ = anchor·mean(diag(Z Zᵀ)): 0 is the plain refit (the paper's), a large anchor keeps the dense weights
     # (update "none"); in between for a refit that overfits its calibration tokens. The update's rounds are plain.
@@ -91,7 +91,7 @@ class SPAP(Method):
     # (``LayerProblem.concentration``) keeps the kept channels' dense weights: there every fit above serves those few
     # tokens (massive activations at the first positions) at the others' expense. 1 (the paper) fits every layer.
     concentrated: float = hp(1.0, gt=0, le=1)
-    am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; on 16k tokens 20 overfits, 10 was best)
+    am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; why 10: docs/parameters.md)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
     # SmolLM2 at 128 x 512 prefers 1e-2, which configs/offline.yaml sets (docs/parameters.md: lr)
@@ -109,8 +109,7 @@ class SPAP(Method):
     # sample: one fixed sample let the rounds overfit it (docs/method/update-cost.md: Cost of the update)
     sketch_resample: bool = True
     # tokens of that first sample, which ranks the resampled rounds (0: ``sketch_tokens``): a ranking needs fewer
-    # tokens than a fit; 4,096 kept the held-out error at a quarter of the ranking's passes
-    # (docs/method/update-cost.md: the per-layer cost)
+    # tokens than a fit (docs/method/update-cost.md: the per-layer cost)
     rank_tokens: int = hp(0, ge=0)
     # the products of that final refit on every token: "full" (``precision``'s) or "bf16" (``Z`` and ``Y Zᵀ`` from
     # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds); not a default: it priced
