@@ -89,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _prune(a) -> dict:
     import spap_lib as sl
+    from spap_lib.artifact.card import command
 
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
@@ -108,7 +109,7 @@ def _prune(a) -> dict:
                                       onloader=loaded.onloader)
     report["perplexity"] = ppl
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
-    sl.save(loaded, report, out, overwrite=a.overwrite)
+    sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
     loaded.onloader.close()
     return sl.prune_result(a.model, a.method, a.sparsity, out, report)  # what 02 writes as prune_result.json
 
@@ -131,6 +132,8 @@ def _plan(a) -> str:
 
 def _eval(a) -> dict:
     import spap_lib as sl
+    from spap_lib.artifact.card import command
+    from spap_lib.artifact.checkpoint import add_evaluation
 
     local = Path(a.model).expanduser()
     # a checkpoint's folder is where a killed prune with --out there left its spill folder: cleaned first
@@ -140,6 +143,9 @@ def _eval(a) -> dict:
     loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=spill)
     result = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows, onloader=loaded.onloader)
     loaded.onloader.close()
+    if local.is_dir():  # a spap checkpoint's card and manifest record it
+        add_evaluation(local, {"task": "wikitext2 perplexity", "value": result["ppl"], "command": command(a.argv),
+                               "protocol": f"{result['windows']} windows of {result['seqlen']} tokens"})
     return {"model": a.model, **result}
 
 
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     from spap_lib.errors import SpapError, surface
 
     a = parser().parse_args(argv)
+    a.argv = sys.argv[1:] if argv is None else list(argv)  # for the model card: the command as typed
     try:
         with surface("cli"):  # refusals name --flags, not keyword arguments
             if a.command == "prune":

@@ -21,6 +21,7 @@ def checkpoint(tiny_checkpoint):
 
 def test_prune_writes_the_notebooks_checkpoint_and_eval_reads_it(checkpoint, tmp_path, capsys):
     out = tmp_path / "pruned"
+    (checkpoint / "README.md").write_text("---\nlicense: mit\n---\nA tiny model.\n")  # its license is carried over
     assert main(["prune", str(checkpoint), "--sparsity", "0.25", "--out", str(out), *TINY]) == 0
     printed = capsys.readouterr().out
     assert "remove " in printed  # the check's summary (and plan) first, then the result as JSON
@@ -35,9 +36,27 @@ def test_prune_writes_the_notebooks_checkpoint_and_eval_reads_it(checkpoint, tmp
     assert main(["eval", str(out), "--eval-seqlen", "24", "--eval-windows", "3", "--device", "cpu"]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["ppl"] == pytest.approx(pruned_ppl, rel=1e-5) and evaluated["windows"] == 3
+    _check_card(out / "README.md", checkpoint, pruned_ppl, manifest)
     # the same out again without --overwrite: refused before any work, with the fix
     assert main(["prune", str(checkpoint), "--sparsity", "0.25", "--out", str(out), *TINY]) == 2
     assert "overwrite" in capsys.readouterr().err
+
+
+def _check_card(path: Path, source: Path, pruned_ppl: float, manifest: dict) -> None:
+    """The model card in the Hub's conventions: front matter for the index, then what was done, measured, run, and
+    how to load it; ``spap eval`` added its row."""
+    import yaml
+
+    card = path.read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["base_model"] == str(source) and front["library_name"] == "transformers"
+    assert {"pruned", "spap"} <= set(front["tags"]) and front["license"] == "mit"
+    assert front["datasets"] == ["Salesforce/wikitext"]
+    assert f"pruned {pruned_ppl:.2f}" in card and f"sha256 `{manifest['calibration']['sha256']}`" in card
+    assert f"`spap prune {source} --sparsity 0.25" in card and "AutoModelForCausalLM.from_pretrained" in card
+    assert manifest["git_revision"] is None or manifest["git_revision"] in card
+    evaluations = card[card.index("## Evaluations"):]
+    assert f"`spap eval {path.parent}" in evaluations and f"{pruned_ppl:.4g}" in evaluations
 
 
 @pytest.mark.parametrize("args, message", [

@@ -2,12 +2,23 @@
 reloads, the way users will load it, to the same logits; then the folder is installed atomically."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from spap_lib.artifact.manifest import PLAN, check_out_dir, manifest, read_checkpoint_manifest, save_pruned
+from spap_lib.artifact import card
+from spap_lib.artifact.card import CARD
+from spap_lib.artifact.manifest import (
+    MANIFEST,
+    PLAN,
+    check_out_dir,
+    manifest,
+    read_checkpoint_manifest,
+    save_pruned,
+)
 from spap_lib.errors import CheckpointError
+from spap_lib.files import write_json_atomic, write_text_atomic
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.formats import format_of_report
 from spap_lib.model.loading import Loaded, context_length, load_saved
@@ -136,5 +147,19 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
         write = (lambda tmp: write_checkpoint_weights(loaded.model, loaded.onloader, tmp)) \
             if loaded.offload == "disk" else None
     write = write or (lambda tmp: loaded.model.save_pretrained(tmp, safe_serialization=True))
-    return save_pruned(write, loaded.tokenizer, out_dir, fields, extra_files={PLAN: plan}, overwrite=overwrite,
+    files = {PLAN: plan, CARD: card.render(fields)}  # the model card: README.md, the Hub's conventions
+    return save_pruned(write, loaded.tokenizer, out_dir, fields, extra_files=files, overwrite=overwrite,
                        protect=protect, check=check)
+
+
+def add_evaluation(folder: str | Path, evaluation: dict) -> None:
+    """Record an evaluation of a saved checkpoint in its manifest and its model card (``spap eval``), each written
+    atomically; a folder that is not a spap checkpoint is left alone."""
+    folder = Path(folder)
+    try:
+        fields = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return
+    fields["evaluations"] = [*fields.get("evaluations", []), evaluation]
+    write_json_atomic(folder / MANIFEST, fields)
+    write_text_atomic(folder / CARD, card.render(fields))

@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 
 from spap_lib.errors import OutputError, option
-from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic
+from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic, write_text_atomic
 
 MANIFEST = "spap_manifest.json"
 
@@ -190,8 +190,8 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
     with atomic_dir(out_dir) as tmp:
         write(tmp)
         tokenizer.save_pretrained(tmp)
-        for name, obj in (extra_files or {}).items():
-            write_json_atomic(tmp / name, obj)
+        for name, obj in (extra_files or {}).items():  # text as it is (the model card), anything else as JSON
+            (write_text_atomic if isinstance(obj, str) else write_json_atomic)(tmp / name, obj)
         checks = check(tmp) if check else {}
         files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
         write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,

@@ -88,7 +88,8 @@ class Calibration:
     def describe(self) -> dict:
         n, seqlen = self.windows.shape
         return {"nsamples": n, "seqlen": seqlen, "tokens": n * seqlen, "split": self.split,
-                "source": self.source, "corpus_tokens": self.corpus_tokens, "seed": self.seed}
+                "source": self.source, "corpus_tokens": self.corpus_tokens, "seed": self.seed,
+                "sha256": hashlib.sha256(self.windows.contiguous().numpy().tobytes()).hexdigest()[:16]}
 
 
 def calibration_windows(tokenizer, nsamples: int, seqlen: int, seed: int = 0, text: Text | None = None) -> Calibration:

@@ -1,0 +1,132 @@
+"""The model card every saved checkpoint carries: ``README.md`` in the Hub's conventions, YAML front matter for the
+Hub's index and a short body: what was done to which model, what it measured, how it was made, how to load it.
+
+It is rendered from the checkpoint's manifest (``spap_manifest.json``) alone, so ``spap eval`` re-renders it when
+it adds an evaluation there.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import yaml
+
+from spap_lib.model.sources import HUB_ALIASES
+
+CARD = "README.md"
+# The offline models' upstream checkpoints (their GGUF files are conversions of these) and licenses.
+UPSTREAM = {
+    "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0"),
+    "gemma3-270m": ("google/gemma-3-270m-it", "gemma"),
+    "qwen2.5-coder-0.5b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "apache-2.0"),
+}
+CALIBRATION_DATASET = "Salesforce/wikitext"  # WikiText-2 raw, on the Hub
+
+
+def base_model(source: dict) -> tuple[str, str | None]:
+    """The Hub id (or the name as given) of the model that was pruned, and its license where it is known: the
+    offline models', or a local checkpoint's own card's."""
+    name = source["name"]
+    if name in UPSTREAM:
+        return UPSTREAM[name]
+    if source["kind"] == "hub":
+        return HUB_ALIASES.get(name, source["path"]), None
+    return name, _license_of(Path(source["path"]) / CARD) if source["kind"] == "dir" else None
+
+
+def _license_of(card: Path) -> str | None:
+    try:
+        text = card.read_text()
+        if text.startswith("---"):
+            return (yaml.safe_load(text.split("---", 2)[1]) or {}).get("license")
+    except (OSError, yaml.YAMLError, IndexError, AttributeError):
+        pass
+    return None
+
+
+def command(argv: list[str]) -> str:
+    """The ``spap`` command line that made a checkpoint, as the user typed it."""
+    return shlex.join(["spap", *argv])
+
+
+def notebook_call(notebook: str, namespace: dict) -> str:
+    """The papermill call that reruns a notebook with the parameters in its ``namespace`` (its declared ones, as
+    ``check_notebook_parameters`` reads them)."""
+    values = {k: namespace[k] for k in namespace.get("__annotations__", {})}
+    args = [f"-p {k} {shlex.quote(str(v) if isinstance(v, (str, Path)) else json.dumps(v))}" for k, v in values.items()]
+    return f"papermill notebooks/{notebook}.ipynb out.ipynb " + " ".join(args)
+
+
+def render(fields: dict) -> str:
+    """The card of a checkpoint whose manifest is ``fields``."""
+    base, license_ = base_model(fields["model"])
+    method = fields.get("method", "?")
+    front = {"base_model": base, "library_name": "transformers", "pipeline_tag": "text-generation",
+             "tags": list(dict.fromkeys(["pruned", "structured-pruning", "spap", method.split("/")[0]])),
+             **({"license": license_} if license_ else {}), "datasets": [CALIBRATION_DATASET]}
+    what = "every block's residual stream rotated and sliced (SliceGPT)" if "slicing" in fields else \
+        "whole MLP channels removed (structured pruning)"
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
+             f"# {base}, {method} at {_pct(fields.get('sparsity', {}).get('requested'))}", "",
+             f"Pruned with spap: {what}, so the tensors are physically smaller.", "",
+             "| | |", "|---|---|", *_rows(fields), "", *_loading(fields), *_evaluations(fields)]
+    return "\n".join(line for i, line in enumerate(lines) if line or lines[i - 1]) + "\n"
+
+
+def _pct(x) -> str:
+    return f"{x:.0%}" if isinstance(x, (int, float)) else "?"
+
+
+def _rows(f: dict) -> list[str]:
+    sp, cal, params = f.get("sparsity", {}), f.get("calibration", {}), f.get("params", {})
+    width = sp.get("mlp_width", {})
+    ppl = f.get("perplexity") or {}
+    parts = {k: v for k, v in (f.get("hparams") or {}).items() if k in ("select", "allocation", "update")}
+    rows = {
+        "method": f"`{f.get('method')}`" + (f" ({', '.join(f'{k}={v}' for k, v in parts.items())})" if parts else ""),
+        "sparsity": f"requested {_pct(sp.get('requested'))} of the decoder's parameters; achieved "
+                    f"{sp.get('achieved_decoder', 0):.2%} of the decoder, {sp.get('achieved_total', 0):.2%} of all"
+                    + (f" ({sp['definition']})" if sp.get("definition") else ""),
+        "MLP width": f"{width.get('dense')} → {width.get('pruned')}" if width else None,
+        "parameters": f"{params['dense']['total']:,} → {params['pruned']['total']:,}" if params else None,
+        "calibration": f"WikiText-2 {cal.get('split')} ({cal.get('source')}), {cal.get('nsamples')} windows × "
+                       f"{cal.get('seqlen')} tokens = {cal.get('tokens'):,} tokens, seed {cal.get('seed')}"
+                       + (f", windows sha256 `{cal['sha256']}`" if cal.get("sha256") else "") if cal else None,
+        "perplexity": _perplexity(ppl),
+        "made by": f"`{f['command']}`" if f.get("command") else None,
+        "spap": f"{(f.get('versions') or {}).get('spap')}, revision `{f.get('git_revision')}`, {f.get('created')}",
+        "ran on": f"{(f.get('host') or {}).get('cpu')}" + (", CUDA" if "cuda_peak_mb" in f.get("memory", {}) else "")
+                  + f"; offload {f.get('offload')}, precision {f.get('precision')}",
+    }
+    return [f"| {k} | {v} |" for k, v in rows.items() if v]
+
+
+def _perplexity(ppl: dict) -> str | None:
+    if not ppl.get("pruned"):
+        return None
+    p = ppl["pruned"]
+    dense = f"dense {ppl['dense']['ppl']:.2f} → " if ppl.get("dense") else ""
+    return f"WikiText-2 test, {dense}pruned {p['ppl']:.2f} ({p.get('windows')} windows of {p.get('seqlen')} tokens)"
+
+
+def _loading(f: dict) -> list[str]:
+    uniform = not isinstance(f.get("sparsity", {}).get("mlp_width", {}).get("pruned"), list) and "slicing" not in f
+    if uniform:
+        how = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
+               'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",
+               "Every layer keeps the same width: stock `transformers` loads it, and llama.cpp's "
+               "`convert_hf_to_gguf.py` converts it to GGUF."]
+    else:
+        how = ["```python", "import spap_lib", 'loaded = spap_lib.load("path/to/this/folder")', "```", "",
+               "Its layers have widths of their own (or a sliced residual stream): stock `transformers` reads one "
+               "width for every layer and refuses it, and so does llama.cpp's converter."]
+    return ["## How to load", "", *how, ""]
+
+
+def _evaluations(f: dict) -> list[str]:
+    evals = f.get("evaluations") or []
+    if not evals:
+        return []
+    rows = [f"| {e['task']} | {e['value']:.4g} | {e.get('protocol', '')} | `{e.get('command', '')}` |" for e in evals]
+    return ["## Evaluations", "", "| task | value | protocol | command |", "|---|---:|---|---|", *rows, ""]
