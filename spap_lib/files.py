@@ -130,13 +130,19 @@ def _normal_modes(root: Path) -> None:
             os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~mask)
 
 
-@contextmanager
-def atomic_dir(path: str | os.PathLike):
-    """Yield a scratch directory that replaces ``path`` only if the block succeeds."""
+def _prepare(path: str | os.PathLike) -> tuple[Path, Path]:
+    """The target as a Path, its folder made and dead writers' leftovers beside it removed, and a fresh scratch
+    name next to it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(path)
-    tmp = _scratch(path, "tmp")
+    return path, _scratch(path, "tmp")
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike):
+    """Yield a scratch directory that replaces ``path`` only if the block succeeds."""
+    path, tmp = _prepare(path)
     os.mkdir(tmp)
     try:
         yield tmp
@@ -150,10 +156,7 @@ def atomic_dir(path: str | os.PathLike):
 @contextmanager
 def atomic_file(path: str | os.PathLike):
     """Yield a scratch path (an empty file) that replaces ``path`` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    clean_leftovers(path)
-    tmp = _scratch(path, "tmp")
+    path, tmp = _prepare(path)
     os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
         yield tmp
