@@ -40,7 +40,7 @@ def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, ti
     prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)
 
 
-COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "fasp/update=gd",
+COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "spap/select=wanda,update=gd",
                 "spap/select=fluctuation,update=none", "spap/score_scale=layer", "spap/allocation=error",
                 "fasp/select=magnitude,allocation=global", "spap_no_update/allocation=angular"]
 
@@ -386,8 +386,10 @@ def test_spap_ablations_share_the_penalty_stage(loaded, windows):
     assert gd.info["rel_error_final"] == pytest.approx(final, rel=1e-6)
     assert gd.info["rel_error_final"] < 0.99 * gd.info["rel_error_penalty"]
     assert not torch.equal(gd.mlp.W_in[0], base.mlp.W_in[0]) and not torch.equal(gd.mlp.W_out, base.mlp.W_out)
-    # least squares only: the rounds' settings act nowhere
-    assert "am_iters" not in sl.get_method("spap_no_update", am_iters=3).effective_hparams()
+    # least squares only: the preset carries no round settings at all (it has none to act)
+    assert "am_iters" not in sl.get_method("spap_no_update").hparams()
+    with pytest.raises(sl.ParameterError, match="am_iters"):
+        sl.get_method("spap_no_update", am_iters=3)
 
 
 def test_allocations_spend_exactly_the_budget():

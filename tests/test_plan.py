@@ -325,7 +325,7 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan(monkeypatch
                                                     seqlen=256, eval_seqlen=128, eval_windows=4,
                                                     device="cpu").summary()
     stages = {name: plan("smollm2-135m", method=label, nsamples=8, seqlen=256).seconds for name, label in
-              (("fasp", "fasp"), ("fasp+gd", "fasp/update=gd"), ("penalty, no update", "spap/update=none"),
+              (("fasp", "fasp"), ("fasp+gd", "spap/select=wanda,update=gd"), ("penalty, no update", "spap/update=none"),
                ("angular", "spap/allocation=angular"), ("error", "spap/allocation=error"),
                ("global", "fasp/allocation=global"))}
     assert "Adam steps" not in stages["fasp"] and "Adam steps" in stages["fasp+gd"]
@@ -346,7 +346,14 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan(monkeypatch
                seqlen=256).seconds["calibration forward passes"] - uniform["calibration forward passes"]
     assert 0 < low < 0.5 * (stages["angular"]["calibration forward passes"] - uniform["calibration forward passes"])
     with pytest.raises(ParameterError, match="sets update otherwise"):
-        sl.check_run("smollm2-135m", method="fasp/update=gd", hparams={"update": "ls"}, sparsity=0.2)
+        sl.check_run("smollm2-135m", method="spap/update=gd", hparams={"update": "ls"}, sparsity=0.2)
+    # a preset carries only the settings its parts read: FASP has no rounds to run, no penalty method to select
+    with pytest.raises(ParameterError, match="'fasp' does not carry the update's round settings.*or use spap"):
+        sl.check_run("smollm2-135m", method="fasp/update=gd", sparsity=0.2)
+    with pytest.raises(ParameterError, match="'fasp' does not carry the penalty method's settings"):
+        sl.get_method("fasp", select="penalty")
+    with pytest.raises(ParameterError, match="K"):
+        sl.get_method("fasp", K=5)
 
 
 def test_a_rounded_prune_is_priced_at_its_rounded_width():

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from spap_lib.checks import hp
 from spap_lib.methods.base import register
 from spap_lib.methods.parts.selection import SELECTIONS, UPDATES
-from spap_lib.methods.spap.algorithm import SPAP
+from spap_lib.methods.spap.algorithm import Composition
 
 
 @register
 @dataclass
-class FASP(SPAP):
+class FASP(Composition):
     name = "fasp"
-    ours = False
     select: str = hp("wanda", choices=SELECTIONS)
     update: str = hp("ls", choices=UPDATES)

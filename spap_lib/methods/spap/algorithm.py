@@ -28,11 +28,12 @@ the paper).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from spap_lib.checks import hp
+from spap_lib.errors import ParameterError
 from spap_lib.methods.base import LayerProblem, Method, PruneResult, highest, register
 from spap_lib.methods.cost_model import Shapes
 from spap_lib.methods.parts.allocation import ALLOCATIONS
@@ -49,24 +50,11 @@ from spap_lib.numerics.linalg import (
 from spap_lib.numerics.solve import lstsq_columns, reconstruction_error
 from spap_lib.numerics.stats import ChannelStats
 
-# what only the penalty method reads (``t`` also ranks channels for a non-uniform allocation), and what only
-# the update's rounds read
-PENALTY_HPARAMS = ("t", "alpha", "rho0", "tau", "K", "threshold", "score_scale", "patience")
-ROUND_HPARAMS = ("adam_steps", "lr", "lr_scale", "batch_tokens", "sketch_tokens", "update_precision", "sketch_resample",
-                 "rank_tokens", "refit_precision")
 
-
-@register
 @dataclass
-class SPAP(Method):
-    """Penalty method (Alg. 1) for the mask, then alternating minimisation for the weights; with ``select``,
-    ``allocation`` and ``update`` any layer-wise composition of the three parts (``methods.parts``)."""
+class PenaltySettings:
+    """Alg. 1's settings (``penalty.Penalty``): what a composition that selects with the penalty method carries."""
 
-    name = "spap"
-    ours = True
-    # The three parts (methods.parts): the presets below differ only in these defaults.
-    select: str = hp("penalty", choices=SELECTIONS)
-    update: str = hp("alternating", choices=UPDATES)
     # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (docs/parameters.md: SPAP
     # hyperparameters, how each was chosen). The penalty-loop settings barely moved it; lr and rounds did.
     t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (docs/parameters.md)
@@ -82,15 +70,18 @@ class SPAP(Method):
     # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
     # previous iteration's scores)
     threshold: str = hp("top", choices=("top", "previous"))
-    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (docs/parameters.md)
-    # The least-squares refit of the kept columns drawn toward their dense weights, min ‖Y − W Z_K‖² + μ‖W − W₀_K‖²
-    # with μ = anchor·mean(diag(Z Zᵀ)): 0 is the plain refit (the paper's), a large anchor keeps the dense weights
-    # (update "none"); in between for a refit that overfits its calibration tokens. The update's rounds are plain.
-    anchor: float = hp(0.0, ge=0)
-    # A layer whose largest 1% of calibration tokens hold more than this share of the dense output energy ‖Y‖²
-    # (``LayerProblem.concentration``) keeps the kept channels' dense weights: there every fit above serves those few
-    # tokens (massive activations at the first positions) at the others' expense. 1 (the paper) fits every layer.
-    concentrated: float = hp(1.0, gt=0, le=1)
+
+    def penalty(self, dense: MLP, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Alg. 1 with these settings on the dense MLP's Gram matrix ``H`` (``penalty_method``)."""
+        settings = Penalty(rho0=self.rho0, tau=self.tau, t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
+                           threshold=self.threshold, scale_free=self.score_scale == "layer", patience=self.patience)
+        return penalty_method(dense.out_augmented(), H, n_remove, settings, bias=dense.b_out is not None)
+
+
+@dataclass
+class RoundSettings:
+    """§3.3's round settings (``alternating.Rounds``): what a composition whose update runs rounds carries."""
+
     am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; why 10: docs/parameters.md)
     adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
     # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
@@ -98,7 +89,6 @@ class SPAP(Method):
     lr: float = hp(5e-3, gt=0)
     lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
     batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
-    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float32 on CPU, tf32 on CUDA)
     # Cheap update rounds (docs/method/update-cost.md: Cost of the update): each round's closed form and error on a
     # fixed sample of this many tokens (0: all), the best round refitted once on every token at ``precision``
     sketch_tokens: int = hp(16384, ge=0)
@@ -115,6 +105,42 @@ class SPAP(Method):
     # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds); not a default: it priced
     # a layer whose output energy sits in a few tokens wrongly (docs/method/update-cost.md: the final refit in bf16)
     refit_precision: str = hp("full", choices=("full", "bf16"))
+
+    def rounds(self, problem: LayerProblem) -> Rounds:
+        """§3.3's round settings for this layer (its own seed), from the method's fields."""
+        return Rounds(iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr, batch_tokens=self.batch_tokens,
+                      damp=self.damp, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
+                      lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens, bf16=self.update_precision == "bf16",
+                      resample=self.sketch_resample, rank_tokens=self.rank_tokens,
+                      refit_bf16=self.refit_precision == "bf16")
+
+
+# what only the penalty method reads (``t`` also ranks channels for a non-uniform allocation), and what only
+# the update's rounds read
+PENALTY_HPARAMS = tuple(f.name for f in fields(PenaltySettings))
+ROUND_HPARAMS = tuple(f.name for f in fields(RoundSettings) if f.name != "am_iters")
+
+
+@dataclass
+class Composition(Method):
+    """A layer-wise composition of the three parts (``methods.parts``): a selection, an allocation and an update,
+    with what every one of them reads (damping, the refit's anchor, the concentration guard, the precision and the
+    allocation's settings). The presets add the settings of the parts they offer: ``PenaltySettings`` to select
+    with the penalty method, ``RoundSettings`` for an update with rounds."""
+
+    # The three parts (methods.parts): the presets below differ only in these defaults.
+    select: str = hp("penalty", choices=SELECTIONS)
+    update: str = hp("alternating", choices=UPDATES)
+    damp: float = hp(1e-3, ge=0)  # δ = damp·mean(diag(Z Zᵀ)) in every solve (docs/parameters.md)
+    # The least-squares refit of the kept columns drawn toward their dense weights, min ‖Y − W Z_K‖² + μ‖W − W₀_K‖²
+    # with μ = anchor·mean(diag(Z Zᵀ)): 0 is the plain refit (the paper's), a large anchor keeps the dense weights
+    # (update "none"); in between for a refit that overfits its calibration tokens. The update's rounds are plain.
+    anchor: float = hp(0.0, ge=0)
+    # A layer whose largest 1% of calibration tokens hold more than this share of the dense output energy ‖Y‖²
+    # (``LayerProblem.concentration``) keeps the kept channels' dense weights: there every fit above serves those few
+    # tokens (massive activations at the first positions) at the others' expense. 1 (the paper) fits every layer.
+    concentrated: float = hp(1.0, gt=0, le=1)
+    precision: str = hp("auto", choices=PRECISION_CHOICES)  # Gram sums, solves (auto: float32 on CPU, tf32 on CUDA)
     # Per-layer budgets (decided on dense statistics, then pruned in sequence): "uniform" keeps stock
     # checkpoints; "global" = one threshold over layer-standardised dense scores; "angular" = CFSP's rule;
     # "error" = the widths that minimise the layers' summed relative error (``error_curve``, ``allocation.by_error``)
@@ -133,16 +159,24 @@ class SPAP(Method):
     allocation_precision: str = hp("full", choices=("full", "bf16"))
     # how a curve weighs its tokens: "token" = each token's error relative to its own output energy, averaged;
     # "energy" = the layer's summed error over its summed output energy, which the few tokens with massive
-    # outputs decide: it stayed flat in SmolLM2's concentrated layers 2, 11 and 28, and the allocation left them
-    # almost no channels (docs/method.md: The error allocation);
+    # outputs decide (docs/method.md: The error allocation);
     # "residual" (the default) = each token's error relative to the hidden state it is added to (the block's
     # output), averaged and not divided by the layer's own output energy: how far the layer's error moves the
-    # residual stream; better than "token" on SmolLM2 at every sparsity measured (docs/method.md: The error
-    # allocation)
+    # residual stream (why it is the default: docs/method.md, The error allocation)
     error_weight: str = hp("residual", choices=("token", "energy", "residual"))
     # Options added with the earlier behaviour as their default: a result recorded before one existed ran it.
     introduced = ("select", "update", "score_scale", "allocation", "error_tokens", "anchor", "concentrated", "patience",
                   "rank_tokens", "refit_precision", "allocation_sample", "allocation_precision")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.select == "penalty" and not isinstance(self, PenaltySettings):
+            raise ParameterError(f"method {self.name!r} does not carry the penalty method's settings: select one of "
+                                 f"{', '.join(k for k in SELECTIONS if k != 'penalty')}, or use spap")
+        if "rounds" in UPDATES[self.update].needs and not isinstance(self, RoundSettings):
+            raise ParameterError(f"method {self.name!r} does not carry the update's round settings: update one of "
+                                 f"{', '.join(k for k, u in UPDATES.items() if 'rounds' not in u.needs)}, or use "
+                                 "spap (alternating) or spap_gd (gd)")
 
     @property
     def refits(self) -> bool:
@@ -223,12 +257,6 @@ class SPAP(Method):
         stats = self.channel_stats(dense, problem.X, H, problem.chunk)
         return highest(SELECTIONS[self.select].score(dense, stats), n - problem.n_remove), None, {}
 
-    def penalty(self, dense: MLP, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """Alg. 1 with this method's settings on the dense MLP's Gram matrix ``H`` (``penalty_method``)."""
-        settings = Penalty(rho0=self.rho0, tau=self.tau, t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
-                           threshold=self.threshold, scale_free=self.score_scale == "layer", patience=self.patience)
-        return penalty_method(dense.out_augmented(), H, n_remove, settings, bias=dense.b_out is not None)
-
     def refit(self, problem: LayerProblem, keep: torch.Tensor) -> torch.Tensor:
         """The output projection's kept columns (+ bias) by least squares on the dense Gram matrix, drawn toward the
         dense weights by ``anchor``."""
@@ -257,14 +285,6 @@ class SPAP(Method):
             info["rel_error_penalty"], info["rel_error_final"] = errors["start"], errors["final"]
         return PruneResult(mlp=mlp, keep=keep, info=info)
 
-    def rounds(self, problem: LayerProblem) -> Rounds:
-        """§3.3's round settings for this layer (its own seed), from the method's fields."""
-        return Rounds(iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr, batch_tokens=self.batch_tokens,
-                      damp=self.damp, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
-                      lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens, bf16=self.update_precision == "bf16",
-                      resample=self.sketch_resample, rank_tokens=self.rank_tokens,
-                      refit_bf16=self.refit_precision == "bf16")
-
     @staticmethod
     def start_error(problem: LayerProblem, keep: torch.Tensor, mlp: MLP) -> float:
         """The relative calibration error of the pruned ``mlp`` (channels ``keep``, its output projection refitted)
@@ -285,11 +305,22 @@ class SPAP(Method):
 
 @register
 @dataclass
-class SPAPNoUpdate(SPAP):
+class SPAP(RoundSettings, PenaltySettings, Composition):
+    """Penalty method (Alg. 1) for the mask, then alternating minimisation for the weights (§3.3); with ``select``,
+    ``allocation`` and ``update`` any layer-wise composition of the three parts (``methods.parts``)."""
+
+    name = "spap"
+    ours = True
+
+
+@register
+@dataclass
+class SPAPNoUpdate(PenaltySettings, Composition):
     """Ablation "SPAP w/o update" (paper Table 5): the penalty method (Alg. 1) and its least-squares
     refit of the kept columns, without the alternating minimisation of §3.3."""
 
     name = "spap_no_update"
+    ours = True
     ablation_of = "spap"
     update: str = hp("ls", choices=UPDATES)
 

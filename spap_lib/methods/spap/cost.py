@@ -1,6 +1,6 @@
 """SPAP's cost model for the plan (``spap plan``): the work of one decoder layer's prune, by stage and rate.
 
-Beside the algorithm rather than in it: ``algorithm.SPAP.cost`` and ``token_samples`` call these.
+Beside the algorithm rather than in it: ``algorithm.Composition.cost`` and ``token_samples`` call these.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from spap_lib.methods.spap.curves import curve_points
 from spap_lib.numerics.linalg import gram_flops
 
 if TYPE_CHECKING:  # the method's fields are read, nothing is imported from it
-    from spap_lib.methods.spap.algorithm import SPAP
+    from spap_lib.methods.spap.algorithm import Composition
 
 
-def layer_cost(m: SPAP, s: Shapes) -> dict[str, dict[str, float]]:
+def layer_cost(m: Composition, s: Shapes) -> dict[str, dict[str, float]]:
     """The dense Gram pass, the selection (K penalty solves and the refit, or one refit; a statistics pass
     for a score needing channel means), then (rounds) the update: Adam's forward and backward products,
     each round's pass over its token sample and its solve, and the final refit on every token when the
@@ -79,7 +79,7 @@ def layer_cost(m: SPAP, s: Shapes) -> dict[str, dict[str, float]]:
     return stages
 
 
-def token_samples(m: SPAP, s: Shapes) -> float:
+def token_samples(m: Composition, s: Shapes) -> float:
     """The rounds' samples of ``X`` and ``Y`` rows (``subsample``; every token is no copy): one of
     ``sketch_tokens``, and resampled, the ranking sample of ``rank_tokens`` beside each round's fresh one."""
     if not m.rounds_update or not m.am_iters or not 0 < m.sketch_tokens < s.N:

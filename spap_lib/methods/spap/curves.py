@@ -1,7 +1,7 @@
 """One layer's error curve, for the error allocation: the relative reconstruction error once ``r`` channels are
 removed, at a few ``r``, from one Gram pass and one factorisation (``nested_lstsq_errors``).
 
-Beside the algorithm rather than in it: ``algorithm.SPAP.error_curve`` calls this.
+Beside the algorithm rather than in it: ``algorithm.Composition.error_curve`` calls this.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from spap_lib.numerics.solve import nested_lstsq_errors, reconstruction_error
 from spap_lib.numerics.stats import ChannelStats
 
 if TYPE_CHECKING:  # the method's fields are read, nothing is imported from it
-    from spap_lib.methods.spap.algorithm import SPAP
+    from spap_lib.methods.spap.algorithm import Composition
 
 
-def error_curve(m: SPAP, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
+def error_curve(m: Composition, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
                 stats: ChannelStats | None = None) -> tuple[ChannelStats, list[tuple[int, float]]]:
     """The dense layer's channel statistics and its curve ``(r, e)``: the relative reconstruction error ``e`` once
     ``r`` channels are removed, at ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``:
