@@ -50,10 +50,12 @@ def digest(path: str | os.PathLike) -> str:
     return _DIGESTS[key]
 
 
-def _expected(gguf: Path) -> dict:
+def _entry(root: Path, gguf: Path) -> tuple[Path, dict]:
+    """The cache folder of this GGUF file under ``root``, and the record a conversion there must carry."""
     import transformers
 
-    return {"gguf_sha256": digest(gguf), "gguf_size": gguf.stat().st_size, "transformers": transformers.__version__}
+    expected = {"gguf_sha256": digest(gguf), "gguf_size": gguf.stat().st_size, "transformers": transformers.__version__}
+    return root / "gguf" / expected["gguf_sha256"][:32], expected
 
 
 def folder(gguf: str | os.PathLike) -> Path | None:
@@ -62,9 +64,7 @@ def folder(gguf: str | os.PathLike) -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    gguf = Path(gguf)
-    expected = _expected(gguf)
-    path = root / "gguf" / expected["gguf_sha256"][:32]
+    path, expected = _entry(root, Path(gguf))
     try:
         record = json.loads((path / RECORD).read_text())
     except (OSError, ValueError):
@@ -100,8 +100,7 @@ def convert(gguf: str | os.PathLike, model: torch.nn.Module, tokenizer) -> Path 
     if root is None or next(model.parameters()).dtype != torch.float32:
         return None
     gguf = Path(gguf)
-    expected = _expected(gguf)
-    path = root / "gguf" / expected["gguf_sha256"][:32]
+    path, expected = _entry(root, gguf)
     architectures = getattr(model.config, "architectures", None)  # before save_pretrained fills them in
     try:
         with atomic_dir(path) as tmp:

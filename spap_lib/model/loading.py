@@ -301,14 +301,11 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     with _readable(source):
         if cached is not None and offload != "disk" and (got := load_converted(cached, dt, source.path)) is not None:
             model, tokenizer = got
-            adapter = get_adapter(model)
-            onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
-                HostOffload(model, adapter.layers(), dev)
-            model.to(dev if offload == "none" else "cpu").eval()
-            return Loaded(model, tokenizer, adapter, source, dev, onloader)
+            adapter, onloader = _placed(model, offload, dev)
+            return Loaded(model.eval(), tokenizer, adapter, source, dev, onloader)
         # The tokenizer first: from a GGUF it parses the whole vocabulary into transient Python objects, which then
         # peak beside nothing rather than beside the weights (docs/scale.md: Same answer).
-        tokenizer = AutoTokenizer.from_pretrained(cached, **_hub_kwargs(source)) if cached is not None else \
+        tokenizer = AutoTokenizer.from_pretrained(cached) if cached is not None else \
             AutoTokenizer.from_pretrained(source.path, **extra)
         if offload == "disk":
             model = _skeleton(source, dt)
@@ -325,9 +322,15 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
                 _check_loading_report(name, source, report)
                 if source.kind == "gguf":
                     convert(Path(source.path) / source.gguf_file, model, tokenizer)
-            adapter = get_adapter(model)
-            onloader = Onloader(model, adapter.layers(), dev) if offload == "none" else \
-                HostOffload(model, adapter.layers(), dev)
-            model.to(dev if offload == "none" else "cpu")
+            adapter, onloader = _placed(model, offload, dev)
     model.eval()
     return Loaded(model, tokenizer, adapter, source, dev, onloader)
+
+
+def _placed(model: torch.nn.Module, offload: str, dev: torch.device) -> tuple[Adapter, Onloader]:
+    """A model read whole, placed on the device (``none``), or in host memory with one layer onloaded at a time."""
+    adapter = get_adapter(model)
+    layers = adapter.layers()
+    onloader = Onloader(model, layers, dev) if offload == "none" else HostOffload(model, layers, dev)
+    model.to(dev if offload == "none" else "cpu")
+    return adapter, onloader
