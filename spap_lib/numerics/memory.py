@@ -6,6 +6,7 @@ predictions can be checked against what a run really used.
 from __future__ import annotations
 
 import ctypes
+import gc
 import resource
 import sys
 from contextlib import contextmanager
@@ -61,8 +62,14 @@ def release_freed() -> None:
 @contextmanager
 def measured(device: torch.device | str = "cpu"):
     """Yield a dict that holds, after the block: resident set before it, its peak during it (Linux:
-    the high-water mark is reset at the start), and the CUDA peak allocated on ``device``."""
+    the high-water mark is reset at the start), and the CUDA peak allocated on ``device``.
+
+    Memory freed before the block is handed back first: the allocator would otherwise serve part of
+    the block from pages the process already holds, and the peak's increase would understate the
+    block's working memory by as much."""
     device = torch.device(device)
+    gc.collect()
+    release_freed()
     out = {"rss_before_mb": rss_mb(), "peak_reset": reset_peak_rss()}
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
