@@ -8,6 +8,7 @@ import spap_lib.artifact.grid as grid_mod
 from spap_lib.artifact.figure2 import figure2
 from spap_lib.artifact.figures import headline, layer_plot, table5
 from spap_lib.artifact.grid import Eval, Grid, Variant, record_run, run_grid
+from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.base import parse_label
 from spap_lib.model.loading import Loaded
@@ -99,6 +100,22 @@ def test_figure_and_table_come_from_the_csv_alone(tmp_path):
     assert wide.loc[("b", "128×512", 512, 40, rows[-1]["label"]), rows[-1]["sparsity"]] == 1e4
     fig = figure2(csv, tmp_path / "fig.png")
     assert max(max(line.get_ydata(), default=0) for ax in fig.axes for line in ax.get_lines()) < 1e4
+
+
+def test_a_small_grid_gets_its_figure_and_a_table_of_dense_rows_alone_is_refused(tmp_path):
+    """A few methods at one sparsity (fewer cells than a panel of the full grid needs) still draw; a table with
+    no pruned cell names what to run instead of failing in the plotting code."""
+    rows = [{"model": "m", "label": label, "method": label.split("/")[0], "sparsity": s, "eval_seqlen": 128,
+             "eval_windows": 4, "nsamples": 8, "seqlen": 256, "ppl": p}
+            for label, s, p in (("dense", 0.0, 45.0), ("spap", 0.2, 117.0), ("spap_gd", 0.2, 131.0))]
+    csv = tmp_path / "r.csv"
+    pd.DataFrame(rows).to_csv(csv, index=False)
+    fig = figure2(csv, tmp_path / "fig.png")
+    assert len(fig.axes) == 1 and (tmp_path / "fig.png").stat().st_size > 10_000
+    pd.DataFrame(rows[:1]).to_csv(csv, index=False)
+    with pytest.raises(ParameterError, match="no pruned cell at eval_seqlen 128.*prune=True"):
+        figure2(csv, tmp_path / "empty.png")
+    assert not (tmp_path / "empty.png").exists()
 
 
 def test_figure2_draws_each_method_at_its_own_parts_and_the_best_compositions(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from spap_lib.artifact.figures import label_parts, load_rows, method_order
+from spap_lib.errors import ParameterError
 from spap_lib.files import atomic_file
 
 # The paper's methods as every panel draws them: (name in the legend, colour, marker).
@@ -80,9 +81,10 @@ def best_composition(pruned: pd.DataFrame, ours: str | None) -> str | None:
 
 
 def _panels(table: pd.DataFrame, min_cells: int) -> list[tuple[str, str]]:
-    """(model, calibration) panels with at least ``min_cells`` pruned cells: budgets are never mixed."""
+    """(model, calibration) panels with at least ``min_cells`` pruned cells: budgets are never mixed. A table
+    where no panel has that many (a few methods at one sparsity) draws every panel it has."""
     pruned_cells = table[table["label"] != "dense"].groupby(["model", "calib"], sort=False).size()
-    return [key for key, count in pruned_cells.items() if count >= min_cells]
+    return [key for key, count in pruned_cells.items() if count >= min_cells] or list(pruned_cells.index)
 
 
 def _draw_panel(ax, part: pd.DataFrame, eval_seqlen: int, ymax: float | None) -> None:
@@ -139,6 +141,9 @@ def figure2(results_csv: str | Path, out: str | Path, eval_seqlen: int | None = 
     table = pd.concat([part[part["eval_windows"] == part["eval_windows"].mode().iloc[0]]
                        for _, part in table.groupby("model", sort=False)])
     panels = _panels(table, min_cells)
+    if not panels:
+        raise ParameterError(f"{results_csv} has no pruned cell at eval_seqlen {eval_seqlen}: nothing to draw; "
+                             "run 03_ablate with prune=True first")
     cols = min(len(panels), 2)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
