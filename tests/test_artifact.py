@@ -2,6 +2,7 @@
 import ast
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -227,6 +228,19 @@ def test_torch_is_pinned_everywhere():
     assert "-r requirements.txt" in (REPO / "environment.yml").read_text()
 
 
+def test_the_images_cuda_pins_add_to_the_cpu_resolution_without_overlapping_it():
+    """The CUDA image installs with both constraint files: a package pinned in both would be a conflict waiting for
+    the next freeze, and the CUDA side must hold what PyPI's torch brings (its CUDA libraries and triton)."""
+    def pins(name):
+        return {line.split("==")[0].lower().replace("_", "-") for line in (REPO / name).read_text().splitlines()
+                if "==" in line and not line.startswith("#")}
+
+    cuda = pins("constraints-cuda.txt")
+    assert not cuda & pins("constraints.txt")
+    assert {"triton", "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-nccl-cu13"} <= cuda
+    assert "-c constraints-cuda.txt" in (REPO / "Dockerfile").read_text()
+
+
 def _parameters(notebook: str) -> dict:
     nb = json.loads((REPO / "notebooks" / notebook).read_text())
     cells = [c for c in nb["cells"] if "parameters" in c["metadata"].get("tags", [])]
@@ -370,3 +384,16 @@ def test_a_resumed_cells_time_is_labelled_with_the_layers_it_covers(tmp_path):
     seconds = table.loc[(table["label"] == label) & (table["sparsity"] == 0.2), "prune_seconds"].iloc[0]
     shown = exact_labels(_protocol(table[table["label"] == label]))["label"].iloc[0]  # its exact settings today
     assert len(labelled) == 1 and f"| {shown} " in labelled[0] and f"{seconds:.0f} (layers 7+)" in labelled[0]
+
+
+@pytest.mark.parametrize("target", ["main", "test", "smoke", "setup-qwen"])
+def test_the_image_runs_make_on_its_own_stack_without_reinstalling(target, tmp_path):
+    """In the image (SPAP_PREINSTALLED=1, as its Dockerfile sets) no target reaches for pip's network, whatever the
+    times of a mounted checkout's files; outside it, setup installs as usual."""
+    def dry(**env):
+        return subprocess.run(["make", "-n", target, f"VENV={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, **env}).stdout
+
+    assert "pip install" not in dry(SPAP_PREINSTALLED="1")
+    assert "pip install" in dry(SPAP_PREINSTALLED="0")
+    assert "SPAP_PREINSTALLED=1" in (REPO / "Dockerfile").read_text()

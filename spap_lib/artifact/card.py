@@ -116,7 +116,8 @@ def _loading(f: dict) -> list[str]:
         how = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",
                "Every layer keeps the same width: stock `transformers` loads it, and llama.cpp's "
-               "`convert_hf_to_gguf.py` converts it to GGUF."]
+               "`convert_hf_to_gguf.py` converts it to GGUF (`spap_lib.artifact.llamacpp.to_gguf`, then "
+               "`quantize`; what it gains there: spap's docs/llamacpp.md)."]
     else:
         how = ["```python", "import spap_lib", 'loaded = spap_lib.load("path/to/this/folder")', "```", "",
                "Its layers have widths of their own (or a sliced residual stream): stock `transformers` reads one "

@@ -7,6 +7,7 @@
     python -m spap_lib.artifact.render results/zeroshot.csv           # 04_evaluate  (zeroshot:start/end)
     python -m spap_lib.artifact.render results/profile.csv            # 05_profile   (profile:start/end)
     python -m spap_lib.artifact.render results/profile_slicegpt.csv   # 05, SliceGPT (profile_slicegpt:start/end)
+    python -m spap_lib.artifact.render results/llamacpp.csv           # bench/engines.py (llamacpp:start/end)
     python -m spap_lib.artifact.render --check results/ablation.csv   # exit 1 if README's blocks are stale
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from spap_lib.artifact import engines
 from spap_lib.artifact.figures import UPDATE_LABELS, load_rows, markdown_table
 from spap_lib.files import REPO, write_text_atomic
 
@@ -166,7 +168,7 @@ def render_best(csv: str) -> str:
 
 
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
-             "profile_slicegpt": render_profile}
+             "profile_slicegpt": render_profile, "llamacpp": engines.render}
 
 
 def render_blocks(csv: str) -> dict[str, str]:
