@@ -17,9 +17,10 @@ ENV PIP_NO_CACHE_DIR=1 \
     SPAP_CACHE_DIR=/cache \
     SPAP_PREINSTALLED=1
 
+# g++: torch.compile's CPU code generator (05_profile's compiled decode step) and triton's launchers need a compiler.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends make git \
+    && apt-get install -y --no-install-recommends make git g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && mkdir -m 1777 /cache
 
