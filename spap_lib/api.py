@@ -18,6 +18,7 @@ from spap_lib.checks import Spec, check_sparsity, check_values, fits_context
 from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import Calibration, calibration_windows
 from spap_lib.evaluation.profile import Variant, free_device_memory
+from spap_lib.keys import source_key
 from spap_lib.methods import DEFAULT_METHOD, Method, get_method
 from spap_lib.model.loading import Loaded, context_length, load
 from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
@@ -68,7 +69,8 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
         from spap_lib.pipeline.resume import LayerCheckpoint, code_hash
 
         checkpoint = LayerCheckpoint(resume_dir, {
-            "model": loaded.source.name, "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
+            "model": source_key(loaded.source), "method": method, "threads": _threads(loaded.device),
+            "hparams": algo.hparams(), "n_remove": plan.n_remove,
             "propagate": propagate, "calibration": calib.describe(), "seed": seed, "batch_size": batch_size,
             "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to,
             "code": code_hash(type(algo))}, clear_when_done=clear_resume)
@@ -124,6 +126,12 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     del loaded
     free_device_memory(device)  # the profiling processes need this memory, not our caches
     return variants
+
+
+def _threads(device: torch.device) -> int | None:
+    """CPU results are bit-identical per seed at one thread count (reductions split by thread), so a resumed
+    CPU prune must use the same count; on a GPU the host's threads do not enter the result."""
+    return torch.get_num_threads() if device.type == "cpu" else None
 
 
 def _check_prunable(loaded: Loaded, calib: Calibration) -> None:

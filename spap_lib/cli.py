@@ -62,6 +62,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
     p.add_argument("--resume-dir", default=None, help="save every finished layer here; rerunning the same command "
                    "resumes after the last one (hours-long prunes); removed when the prune completes")
+    p.add_argument("--save-dtype", default="auto", help="auto | float32 | bfloat16 | float16: the saved checkpoint's; "
+                   "auto: the source's when it is half precision (a CPU prunes in float32), else the one pruned in")
     _common(p)
     _eval_args(p)
 
@@ -90,43 +92,61 @@ def parser() -> argparse.ArgumentParser:
 def _prune(a) -> dict:
     import spap_lib as sl
     from spap_lib.artifact.card import command
+    from spap_lib.model.loading import dtype_name, dtype_note, pick_device, save_dtypes
 
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
     job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
                        seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=a.device, out_dir=a.out,
                        overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
-    print(job.summary(), flush=True)
+    working, saved = save_dtypes(a.save_dtype, job.config, pick_device(a.device), job.offload)
+    print(job.summary() + "\n" + dtype_note(job.config, working, saved), flush=True)
     loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=out.parent)
-    calib = sl.get_calibration(loaded, a.model, a.nsamples, a.seqlen, a.seed)
+    calib = sl.get_calibration(loaded, a.nsamples, a.seqlen, a.seed)
     ppl = {}
     if not a.no_eval:
-        ppl["dense"] = sl.dense_perplexity(loaded, a.model, a.eval_seqlen, a.eval_windows)
+        ppl["dense"] = sl.dense_perplexity(loaded, a.eval_seqlen, a.eval_windows)
     report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to,
-                      resume_dir=a.resume_dir)
+                      resume_dir=a.resume_dir, clear_resume=False)  # kept until the checkpoint is installed
     if not a.no_eval:
         ppl["pruned"] = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows,
                                       onloader=loaded.onloader)
     report["perplexity"] = ppl
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
+    if saved != loaded.model.dtype:  # just before the save: the prune and its perplexities ran in the working dtype
+        loaded.model.to(saved)
+    report["dtype"] = {"computed": dtype_name(working), "saved": dtype_name(saved),
+                       "note": dtype_note(job.config, working, saved)}
     sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
     loaded.onloader.close()
-    return sl.prune_result(a.model, a.method, a.sparsity, out, report)  # what 02 writes as prune_result.json
+    if a.resume_dir is not None:  # installed: a kill before here resumes after the last layer, not the first
+        from spap_lib.pipeline.resume import clear_folder
+
+        clear_folder(a.resume_dir)
+    # what 02 writes as prune_result.json, and the dtypes computed in and saved in
+    return {**sl.prune_result(a.model, a.method, a.sparsity, out, report), "dtype": report["dtype"]}
 
 
 def _plan(a) -> str:
+    from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
     from spap_lib.model.sources import known_models
-    from spap_lib.plan import THROUGHPUT, available_host_gb, local_device, plan
+    from spap_lib.plan import THROUGHPUT, available_host_gb, local_device, model_config, plan
+    from spap_lib.validate import check_config
 
     if a.list or not a.model:
         return "models: " + " ".join(known_models()) + "\nplanning devices: " + " ".join(THROUGHPUT)
+    config = model_config(a.model)
+    # what spap prune refuses from the config (a window past the context, a sparsity that removes no channel or
+    # every one) is refused here too: a plan of a run that cannot start says nothing
+    check_config(a.model, config, get_method(a.method), a.sparsity, {"seqlen": a.seqlen, "eval_seqlen": a.eval_seqlen},
+                 {"round_to": a.round_to})
     device, memory = (a.device, a.device_memory_gb) if a.device else local_device(pick_device("auto"))
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
     p = plan(a.model, method=a.method, sparsity=a.sparsity, nsamples=a.nsamples, seqlen=a.seqlen,
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
              device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
-             round_to=a.round_to)
+             round_to=a.round_to, config=config)
     return p.table()
 
 

@@ -30,6 +30,10 @@ class OutputError(SpapError, ValueError):
     """An output path spap refuses to write (foreign directory, source model, not writable, no space)."""
 
 
+class TableError(SpapError, ValueError):
+    """A result table that is damaged, edited by hand or mixed: refused before it is used or rewritten."""
+
+
 class CheckpointError(SpapError, RuntimeError):
     """A pruned model that must not be saved (non-finite logits, a reload that differs)."""
 
@@ -62,11 +66,21 @@ def current_surface() -> str:
     return _surface.get()
 
 
+# Keyword arguments whose command-line flag is not their name with dashes (``spap prune --out DIR``).
+CLI_FLAGS = {"out_dir": "--out"}
+
+
+def option_name(name: str) -> str:
+    """The parameter ``name`` as the caller writes it, without a value: ``--out`` on the command line for
+    ``out_dir``, ``--round-to`` for ``round_to``; the name itself in a notebook or from Python."""
+    return CLI_FLAGS.get(name, "--" + name.replace("_", "-")) if _surface.get() == "cli" else name
+
+
 def option(name: str, value=True) -> str:
     """``name`` set to ``value`` in the caller's language (``option("overwrite")`` → ``--overwrite``)."""
     where = _surface.get()
     if where == "cli":
-        flag = "--" + name.replace("_", "-")
+        flag = option_name(name)
         return flag if value is True else f"{flag} {value}"
     if where == "papermill":
         return f"-p {name} {value}"

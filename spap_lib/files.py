@@ -7,7 +7,8 @@
 * Scratch entries are named ``.<name>.spap-{tmp|old}-<host>-<pid>-<hex>``: the next write to the same
   path recognises those of dead processes on this host and removes them (restoring an interrupted
   swap first). Outputs get the user's normal permissions (umask), not the 0700/0600 of ``tempfile``.
-* ``locked`` / ``upsert_csv``: a table that several runs write is read, merged and replaced under a lock.
+* ``locked``: a table that several runs write is read, merged and replaced under a lock
+  (``artifact.table.add_rows``).
 
 Every layer that writes (spill files, resume folders, checkpoints, tables) uses these, so they sit below
 all of them; what a run's outputs contain is ``artifact.manifest``'s business.
@@ -139,32 +140,54 @@ def _prepare(path: str | os.PathLike) -> tuple[Path, Path]:
     return path, _scratch(path, "tmp")
 
 
+# The write errors a user fixes (space, quota, permissions), refused in one line naming the path.
+_USER_FIXES = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+               errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied"}
+
+
+@contextmanager
+def _named(path: Path):
+    """A full disk or a read-only folder while writing ``path``: an ``OutputError`` that names ``path`` (the
+    operating system's message names no file), raised after the scratch copy is gone."""
+    from spap_lib.errors import OutputError
+
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in _USER_FIXES:
+            raise
+        raise OutputError(f"cannot write {path} ({_USER_FIXES[err.errno]}): free some space or write it "
+                          "somewhere else (a larger or writable disk)") from None
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike):
     """Yield a scratch directory that replaces ``path`` only if the block succeeds."""
-    path, tmp = _prepare(path)
-    os.mkdir(tmp)
-    try:
-        yield tmp
-        _normal_modes(tmp)
-        _install(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            _remove(tmp)  # the failed new version, or the replaced old one
+    with _named(Path(path)):
+        path, tmp = _prepare(path)
+        os.mkdir(tmp)
+        try:
+            yield tmp
+            _normal_modes(tmp)
+            _install(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                _remove(tmp)  # the failed new version, or the replaced old one
 
 
 @contextmanager
 def atomic_file(path: str | os.PathLike):
     """Yield a scratch path (an empty file) that replaces ``path`` only if the block succeeds."""
-    path, tmp = _prepare(path)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # a writer may have replaced it with a 0600 file
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.remove(tmp)
+    with _named(Path(path)):
+        path, tmp = _prepare(path)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        try:
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_umask())  # a writer may have replaced it with a 0600 file
+            os.replace(tmp, path)
+        finally:
+            if os.path.lexists(tmp):
+                os.remove(tmp)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -197,21 +220,12 @@ def locked(path: str | os.PathLike):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def upsert_csv(path: str | os.PathLike, new, key: list[str]):
-    """Write ``new``'s rows into the CSV at ``path`` (atomically, under ``locked``): earlier rows with the
-    same ``key`` values are replaced, all others (other models, other cells, other processes' rows) kept.
-    The file is read again every time, so rows another process added meanwhile stay. Returns the table."""
-    import pandas as pd
-
-    path = Path(path)
-    with locked(path):
-        table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
-        if not table.empty and not new.empty:
-            same = table[key].astype(str).apply(tuple, axis=1).isin(new[key].astype(str).apply(tuple, axis=1))
-            table = table[~same]
-        table = pd.concat([table, new], ignore_index=True)
-        write_csv_atomic(path, table)
-    return table
+# -- where spap keeps what it assembles and hashes --------------------------------------------------
 
 
-# -- where a checkpoint may be written ------------------------------------------------------------
+def cache_dir() -> Path:
+    """Where assembled model files and the digest record live: ``$SPAP_CACHE``, else ``$XDG_CACHE_HOME/spap``,
+    else ~/.cache/spap."""
+    if os.environ.get("SPAP_CACHE"):
+        return Path(os.environ["SPAP_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "spap"

@@ -81,6 +81,14 @@ def shipped_config(alias: str):
     return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
+def model_config(model: str):
+    """The config a plan reads: the shipped one of a paper alias (offline), else the checkpoint's or GGUF's."""
+    from spap_lib.model.loading import read_config
+    from spap_lib.model.sources import resolve
+
+    return shipped_config(model) or read_config(resolve(model))
+
+
 @dataclass
 class Plan:
     model: str
@@ -150,8 +158,14 @@ class Plan:
 
 
 def size(gb: float) -> str:
-    """A size for people: MB below a gigabyte (a tiny model's "0.0 GB" says nothing)."""
-    return f"{gb * 1024:.0f} MB" if gb < 1 else f"{gb:.1f} GB"
+    """A size for people: GB, MB below a gigabyte, KB below a megabyte, with two significant figures where a
+    whole number would be too coarse (a tiny model's size rounded to zero megabytes says nothing)."""
+    for unit, value in (("GB", gb), ("MB", gb * 2**10), ("KB", gb * 2**20)):
+        if value >= 1 or unit == "KB":
+            break
+    if unit == "GB":
+        return f"{value:.1f} GB"
+    return f"{value:.0f} {unit}" if value >= 10 else f"{value:.2g} {unit}"
 
 
 def _duration(s: float) -> str:
@@ -208,8 +222,6 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
     model's config again when the caller has it.
     """
     from spap_lib.methods import get_method
-    from spap_lib.model.loading import read_config
-    from spap_lib.model.sources import resolve
 
     if device not in THROUGHPUT:
         raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
@@ -224,7 +236,7 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
                  ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
                  ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
     algo = get_method(method, **(hparams or {}))
-    config = config or shipped_config(model) or read_config(resolve(model))
+    config = config or model_config(model)
     algo.check_config(config)  # an architecture the method cannot prune is refused here too
     job = Job(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
               eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,

@@ -104,6 +104,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     remove_dead_spills(spill_root)
     if resume_dir is not None:
         resume.check_folder(resume_dir)  # a file, a foreign folder or state.json: before reading the model
+        _apart(resume_dir, out_dir)
     source = resolve(model)  # the config and, for a local folder, the weight files' headers
     out_state = None
     if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
@@ -112,29 +113,16 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
+    context, sparsity_plan = check_config(model, config, algo, sparsity, {"seqlen": seqlen, "eval_seqlen": eval_seqlen},
+                                          {"round_to": round_to, "propagate": propagate, "resume_dir": resume_dir})
+    check = RunCheck(source, config, context, algo, sparsity_plan)
     if sparsity is not None:
-        _check_dense(model, config)
-    context = context_length(config)
-    fits_context("seqlen", seqlen, context, model)
-    fits_context("eval_seqlen", eval_seqlen, context, model)
-    check = RunCheck(source, config, context, algo)
-    if sparsity is not None:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
-            adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
         layers = algo is None or algo.pipeline == "layers"  # else the method's own sparsity, no memory plan yet
-        if algo is not None and check_sparsity(sparsity) > 0:
-            algo.check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)
+        if algo is not None and sparsity > 0:
             offload = _allowed_offload(algo, offload)
-        if layers:
-            check.plan = plan_sparsity(adapter, sparsity, round_to)
-            if resume_dir is not None and algo is not None:
-                resume.check_folder(resume_dir, {"model": source.name, "method": method, "hparams": algo.hparams(),
-                                                 "n_remove": check.plan.n_remove, "seed": seed, "round_to": round_to,
-                                                 "propagate": propagate})
-        if algo is not None:
-            algo.prepare(adapter)  # e.g. FLAP's bias slot, an architecture the method cannot reshape
+        if layers and resume_dir is not None and algo is not None:
+            resume.check_folder(resume_dir, _resume_key(source, method, algo, check.plan, device,
+                                                        seed=seed, round_to=round_to, propagate=propagate))
         if algo is not None and nsamples and seqlen and layers and sparsity > 0:
             dev = pick_device(device)
             row, memory_gb = local_device(dev)
@@ -152,6 +140,46 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
         check.offload = offload
     check.out_state = out_state
     return check
+
+
+def _resume_key(source: ModelSource, method: str, algo: Method, plan: SparsityPlan, device: str, **settings) -> dict:
+    """What a resume folder's layers must have been pruned with, as far as it is known before loading: the
+    model's content (not its path), the method, budget and settings, and on a CPU the thread count."""
+    from spap_lib.keys import source_key
+
+    key = {"model": source_key(source), "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
+           **settings}
+    if pick_device(device).type == "cpu":
+        key["threads"] = torch.get_num_threads()
+    return key
+
+
+def check_config(model: str, config, algo: Method | None, sparsity: float | None, windows: dict[str, int | None],
+                 settings: dict | None = None) -> tuple[int | None, SparsityPlan | None]:
+    """The checks of a run that need only the model's config, shared by ``check_run`` and ``spap plan``: every
+    window of ``windows`` (``{"seqlen": 2048, "eval_seqlen": 2048}``) within the context; with a ``sparsity``, a
+    dense model, the run ``settings`` the method refuses (``Method.check_settings``: round_to, propagate,
+    resume_dir), the sparsity plan and the architecture the method cannot prune, on a meta-device copy (no memory).
+    Returns the context length and the sparsity plan (None without a sparsity, or for a whole-model method)."""
+    settings = {"round_to": None, "propagate": None, "resume_dir": None, **(settings or {})}
+    if sparsity is not None:
+        _check_dense(model, config)
+    context = context_length(config)
+    for name, tokens in windows.items():
+        fits_context(name, tokens, context, model)
+    if sparsity is None:
+        return context, None
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # shapes only: no memory, no weights; a copy, since methods may edit it
+        adapter = get_adapter(AutoModelForCausalLM.from_config(copy.deepcopy(config)))
+    if algo is not None and check_sparsity(sparsity) > 0:
+        algo.check_settings(**settings)
+    layers = algo is None or algo.pipeline == "layers"  # else the method's own sparsity
+    sparsity_plan = plan_sparsity(adapter, sparsity, settings["round_to"]) if layers else None
+    if algo is not None:
+        algo.prepare(adapter)  # e.g. FLAP's bias slot, an architecture the method cannot reshape
+    return context, sparsity_plan
 
 
 def _check_dense(model: str, config) -> None:
@@ -190,6 +218,16 @@ def _limit(gb: float | None) -> str:
     return f"{size(gb)} available" if gb is not None else "not checked"
 
 
+def _apart(resume_dir, out_dir) -> None:
+    """The checkpoint replaces ``out_dir`` whole: the finished layers may not live in it, nor it in them."""
+    if out_dir is None:
+        return
+    a, b = Path(resume_dir).expanduser().absolute(), Path(out_dir).expanduser().absolute()
+    if a == b or b in a.parents or a in b.parents:
+        raise ParameterError(f"{option('resume_dir', resume_dir)} and {option('out_dir', out_dir)} overlap: the saved "
+                             "checkpoint replaces its folder whole; give the finished layers a folder of their own")
+
+
 def _existing(path: Path) -> Path:
     """``path`` or its nearest existing ancestor (where a new folder will be made)."""
     path = path.expanduser().absolute()
@@ -211,4 +249,4 @@ def _check_space(out_dir: str | Path, need_gb: float) -> None:
     free = shutil.disk_usage(where).free / 2**30
     if free < need_gb:
         raise OutputError(f"the pruned checkpoint needs about {size(need_gb)} and {where} has {size(free)} free: "
-                          f"free some space or choose {option('out', '<a folder on a larger disk>')}")
+                          f"free some space or choose {option('out_dir', '<a folder on a larger disk>')}")

@@ -7,7 +7,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "spap_lib"
 # Bottom to top. The foundation (errors, argument checks, atomic files) serves every layer; ``api`` (``sl.prune``)
 # sits between evaluation and the artifact layer, whose grid runs prunes; the entry points above may import all.
-FOUNDATION = ("errors", "checks", "files")
+FOUNDATION = ("errors", "checks", "files", "keys")  # keys: the content digests every cache is keyed by
 LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "api", "artifact")
 ENTRY = ("validate", "plan", "pricing", "cli", "nbparams")  # pricing: the plan's memory and time model
 

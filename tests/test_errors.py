@@ -105,7 +105,7 @@ def test_missing_task_data_names_the_directory(tmp_path):
         zeroshot.local_configs(["hellaswag"], tmp_path, root=tmp_path)
 
 
-def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path):
+def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path, tiny_tokenizer):
     import json
 
     from spap_lib.model.sources import resolve
@@ -116,7 +116,7 @@ def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         resolve(str(tmp_path))
-    (tmp_path / "tokenizer.json").write_text("{}")
+    tiny_tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has a config.json but no weights"):  # never a random initialisation
         resolve(str(tmp_path))
 

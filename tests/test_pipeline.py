@@ -121,10 +121,12 @@ def test_calibration_cache_round_trip(windows, tmp_path):
     from spap_lib.artifact.caches import load_calibration, save_calibration
 
     calib = _calib(windows)
-    save_calibration(tmp_path / "calibration.pt", calib, "tiny")
-    back = load_calibration(tmp_path / "calibration.pt", "tiny", 4, 24, 0)
+    key = {"model": "sha256:1", "data": "d", "nsamples": 4, "seqlen": 24, "seed": 0, "code": "c"}
+    save_calibration(tmp_path / "calibration.pt", calib, key)
+    back = load_calibration(tmp_path / "calibration.pt", key)
     assert torch.equal(back.windows, calib.windows) and back.split == "validation"
-    assert load_calibration(tmp_path / "calibration.pt", "tiny", 8, 24, 0) is None  # other request: recompute
+    for other in ({"nsamples": 8}, {"model": "sha256:2"}, {"data": "e"}, {"code": "d"}):  # another key: recompute
+        assert load_calibration(tmp_path / "calibration.pt", {**key, **other}) is None
     assert [p.name for p in tmp_path.iterdir()] == ["calibration.pt"]
 
 

@@ -480,12 +480,10 @@ def test_fuzz_run_parameters_are_used_or_refused(checkpoint, tiny_tokenizer):
 
 
 def _add_rows(path: str, who: str, n: int) -> None:
-    import pandas as pd
-
-    from spap_lib.files import upsert_csv
+    from spap_lib.artifact.table import add_rows
 
     for i in range(n):
-        upsert_csv(path, pd.DataFrame([{"who": who, "i": i}]), ["who", "i"])
+        add_rows(path, [{"who": who, "i": i}], ["who", "i"])
 
 
 def test_two_processes_adding_rows_to_one_table_keep_each_others_rows(tmp_path):

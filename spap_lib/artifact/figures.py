@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from spap_lib.errors import TableError
+
 
 def method_order() -> list[str]:
     """Every registered method in the paper's order, from what the method classes declare: one-shot score
@@ -31,7 +33,20 @@ def _label_order(labels) -> list[str]:
 def load_rows(results_csv: str | Path) -> pd.DataFrame:
     """The grid's rows as every figure and table reads them: protocol columns (``_protocol``) and exact labels
     (``exact_labels``)."""
-    return exact_labels(_protocol(pd.read_csv(results_csv, keep_default_na=False)))
+    from spap_lib.artifact.table import SHOWN, read
+
+    table = read(results_csv, SHOWN, keep_default_na=False)
+    if table.empty:
+        raise TableError(f"{results_csv} has no rows: run the grid (03_ablate) first, or give another results_csv")
+    table = exact_labels(_protocol(table))
+    shown = ["model", "calib", "eval_seqlen", "eval_windows", "label", "sparsity"]
+    twice = table[table.duplicated(shown, keep=False)]
+    if len(twice):  # e.g. an old default's row relabelled onto a row of today's: never averaged into one number
+        first = twice.iloc[0]
+        cell = ", ".join(f"{k} {first[k]}" for k in shown)
+        raise TableError(f"{results_csv}: {len(twice)} rows would show as one cell ({cell}"
+                         f"; hparams {', '.join(sorted(set(twice['hparams'])))}): delete all but one of them")
+    return table
 
 
 def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
@@ -65,10 +80,12 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
 
 def _protocol(table: pd.DataFrame) -> pd.DataFrame:
     """``eval_windows`` as an int (-1: the whole test split; 40 where a table lacks the column) and
-    ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it): cells that differ
-    in either are different measurements and never averaged together."""
+    ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it) and its seed where it is
+    not 0: cells that differ in either are different measurements and never averaged together."""
     windows = table["eval_windows"] if "eval_windows" in table else pd.Series(40, index=table.index)
-    calib = ([f"{n}×{s}" for n, s in zip(table["nsamples"], table["seqlen"])]
+    seeds = table["seed"] if "seed" in table else pd.Series(0, index=table.index)
+    calib = ([f"{n}×{s}" + (f" seed {int(seed)}" if int(seed or 0) else "")
+              for n, s, seed in zip(table["nsamples"], table["seqlen"], seeds)]
              if {"nsamples", "seqlen"} <= set(table.columns) else "")
     return table.assign(eval_windows=pd.to_numeric(windows).astype(int), calib=calib)
 
@@ -161,6 +178,8 @@ def compositions(results_csv: str | Path) -> pd.DataFrame:
     table = table[table["label"] != "dense"]
     key = ["model", "calib", "eval_seqlen", "eval_windows"]
     wide = table.pivot_table(index=[*key, "label"], columns="sparsity", values="ppl").reset_index()
+    if not len(wide):  # a table of dense rows only
+        return pd.DataFrame(columns=[*key, *PARTS, "settings", "label"])
     parts = pd.DataFrame([label_parts(label) for label in wide["label"]], index=wide.index)
     wide = pd.concat([wide[key], parts, wide.drop(columns=key)], axis=1)
     wide = wide[wide["select"] != ""]  # whole-model methods have no parts to compare
@@ -175,8 +194,12 @@ def best_compositions(results_csv: str | Path) -> pd.DataFrame:
     from spap_lib.methods import METHODS
     from spap_lib.methods.base import parse_label
 
+    columns = ["model", "calib", "eval_seqlen", "eval_windows", "sparsity", "best baseline", "baseline ppl",
+               "best with alternating update", "ppl", "lead", "best uniform-width", "uniform ppl"]
     table = load_rows(results_csv)
     table = table[table["label"] != "dense"]
+    if not len(table):  # no pruned cell: the columns still, for the renderers
+        return pd.DataFrame(columns=columns)
     alternating = _part_of(table, "update") == "alternating"
     uniform = _part_of(table, "allocation").isin(("uniform", ""))
     baseline = table["label"].map(lambda lab: not METHODS[parse_label(lab)[0]].ours) & ~alternating
@@ -192,7 +215,7 @@ def best_compositions(results_csv: str | Path) -> pd.DataFrame:
             rows.append({**dict(zip(["model", "calib", "eval_seqlen", "eval_windows", "sparsity"], key)),
                          "best baseline": b_label, "baseline ppl": b_ppl, "best with alternating update": a_label,
                          "ppl": a_ppl, "lead": b_ppl - a_ppl, "best uniform-width": u_label, "uniform ppl": u_ppl})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=columns)
 
 
 def layer_plot(report: dict, title: str):

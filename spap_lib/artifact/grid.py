@@ -28,10 +28,11 @@ import torch
 
 from spap_lib import api
 from spap_lib.artifact.manifest import manifest
+from spap_lib.artifact.table import ABLATION, add_rows, read
 from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import Calibration, tokenize, wikitext
 from spap_lib.evaluation.perplexity import perplexity_of_ids
-from spap_lib.files import locked, upsert_csv, write_json_atomic
+from spap_lib.files import locked, write_json_atomic
 from spap_lib.methods import Unsupported, get_method, parse_label
 from spap_lib.model.capture import first_layer_inputs
 from spap_lib.model.loading import Loaded
@@ -39,7 +40,7 @@ from spap_lib.pipeline.resume import LayerCheckpoint
 from spap_lib.pipeline.sequential import RunSettings, allocation_inputs, dense_stats
 
 # Columns that identify a cell: a row with the same values is not recomputed.
-KEY = ["model", "label", "sparsity", "eval_seqlen", "eval_windows", "nsamples", "seqlen", "seed", "hparams"]
+KEY = list(ABLATION.key)
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,32 @@ def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
     return bool((same_key & ran_these).any() or same_settings.any())
 
 
+def check_grid(sparsities: list, eval_seqlens: list, results_csv: str | Path, figure: str | Path | None = None) -> None:
+    """What a grid run is asked for, before any model is loaded: sparsities and evaluation lengths (non-empty,
+    in range), a results table that is a file and reads whole (``table.read``), a figure format matplotlib
+    writes."""
+    from spap_lib.checks import Spec
+
+    for name, values in (("sparsities", sparsities), ("eval_seqlens", eval_seqlens)):
+        if not isinstance(values, list) or not values:
+            raise ParameterError(f"{name} is {values!r}: give at least one value, e.g. "
+                                 + ("[0.2]" if name == "sparsities" else "[512]"))
+    for s in sparsities:
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < 1:
+            raise ParameterError(f"sparsity {s!r} in sparsities must be a fraction in (0, 1), e.g. 0.2")
+    for s in eval_seqlens:
+        Spec(int, ge=2).check("eval_seqlens entry", s)
+    read(results_csv, ABLATION)
+    if figure is not None:
+        from matplotlib.figure import Figure
+
+        formats = Figure().canvas.get_supported_filetypes()
+        suffix = Path(figure).suffix.lstrip(".").lower()
+        if suffix not in formats:
+            raise ParameterError(f"figure {str(figure)!r}: matplotlib writes no {suffix or 'extensionless'!r} "
+                                 f"files; end the name with one of .{', .'.join(sorted(formats))}")
+
+
 def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
              eval_windows: int | None, results_csv: str | Path, resume: bool = True,
              extra_evals: list[Eval] = ()) -> pd.DataFrame:
@@ -270,11 +297,11 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
     each of ``eval_seqlens`` on ``eval_windows`` windows, plus the ``extra_evals`` that apply to the cell."""
     path = Path(results_csv)
     # Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours.
-    table = pd.read_csv(path, keep_default_na=False) if path.is_file() else pd.DataFrame()
+    table = read(path, ABLATION, keep_default_na=False)  # a damaged table: refused before any cell runs
 
     def add(rows: list[dict]) -> None:
         nonlocal table
-        table = upsert_csv(path, pd.DataFrame(rows), KEY)  # re-read: another grid may write it too
+        table = add_rows(path, rows, KEY, ABLATION)  # re-read: another grid may write it too
 
     def probe(label, hparams, sparsity, seqlen, windows):
         calib = grid.calib.describe()
@@ -313,7 +340,7 @@ def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_
                 print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
             del pruned
-    return pd.read_csv(path)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
+    return read(path, ABLATION)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
 
 
 def record_run(results_csv: str | Path, **fields) -> Path:

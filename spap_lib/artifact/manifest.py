@@ -17,8 +17,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from spap_lib.errors import OutputError, option
+from spap_lib.errors import OutputError, option, option_name
 from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic, write_text_atomic
+from spap_lib.keys import folder_digests
 
 MANIFEST = "spap_manifest.json"
 
@@ -51,8 +52,8 @@ def _writable(directory: Path) -> None:
         os.mkdir(probe)
         os.rmdir(probe)
     except OSError as err:
-        raise OutputError(f"cannot write in {directory} ({err.strerror}): choose an out_dir in a writable "
-                          "directory") from None
+        raise OutputError(f"cannot write in {directory} ({err.strerror}): choose {option_name('out_dir')} in a "
+                          "writable directory") from None
 
 
 def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
@@ -66,39 +67,40 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
     """
     if not isinstance(overwrite, bool):
         raise OutputError(f"overwrite must be True or False, got {overwrite!r}")
+    name = option_name("out_dir")  # --out on the command line
     if not str(out_dir).strip() or Path(out_dir).name in ("", ".", ".."):
-        raise OutputError(f"out_dir {str(out_dir)!r} names no new folder (the checkpoint is written beside it and "
-                          f"moved into place): give a folder name, e.g. {option('out', 'pruned')}")
+        raise OutputError(f"{name} {str(out_dir)!r} names no new folder (the checkpoint is written beside it and "
+                          f"moved into place): give a folder name, e.g. {option('out_dir', 'pruned')}")
     out = Path(out_dir).expanduser().absolute()
     real = out.resolve()
     for what, keep in (protect or {}).items():
         keep = Path(keep).expanduser().resolve()
         if real == keep or real in keep.parents:
-            raise OutputError(f"out_dir {out} would replace {what} ({keep}): choose another out_dir")
+            raise OutputError(f"{name} {out} would replace {what} ({keep}): choose another {name}")
     if out.parent.is_dir():
         clean_leftovers(out)  # an interrupted earlier run: restore or remove what it left
     state = "new"
     if os.path.lexists(out):
         if not out.is_dir():
-            raise OutputError(f"out_dir {out} exists and is not a directory: choose another out_dir")
+            raise OutputError(f"{name} {out} exists and is not a directory: choose another {name}")
         names = sorted(p.name for p in out.iterdir())
         state = "empty"
         if names:
             manifest = read_checkpoint_manifest(out)
             if manifest is None:
                 shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-                raise OutputError(f"out_dir {out} is not empty and is not a spap checkpoint (it holds {shown}): "
-                                  "spap never replaces a directory it did not write. Choose a new or empty out_dir.")
+                raise OutputError(f"{name} {out} is not empty and is not a spap checkpoint (it holds {shown}): "
+                                  f"spap never replaces a directory it did not write. Choose a new or empty {name}.")
             listed = manifest.get("spap_checkpoint", {}).get("files")
             extra = sorted(set(names) - set(listed)) if listed is not None else []
             if extra:
-                raise OutputError(f"out_dir {out} holds a spap checkpoint and files spap did not write "
-                                  f"({', '.join(extra[:5])}): move them away or choose another out_dir")
+                raise OutputError(f"{name} {out} holds a spap checkpoint and files spap did not write "
+                                  f"({', '.join(extra[:5])}): move them away or choose another {name}")
             if not overwrite:
                 what = f"{manifest.get('method', '?')} at sparsity {manifest.get('sparsity', {}).get('requested', '?')}"
-                raise OutputError(f"out_dir {out} holds a previous spap checkpoint "
+                raise OutputError(f"{name} {out} holds a previous spap checkpoint "
                                   f"({what}, {manifest.get('created', '')}): "
-                                  f"pass {option('overwrite')} to replace it, or choose another out_dir")
+                                  f"pass {option('overwrite')} to replace it, or choose another {name}")
             state = "checkpoint"
             _writable(out)  # its old files are removed after the swap
     parent = out.parent
@@ -195,6 +197,7 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
         checks = check(tmp) if check else {}
         files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
         write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,
-                                           "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files}})
+                                           "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files,
+                                                               "digests": folder_digests(tmp, memo=False)}})
         check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # unchanged while we worked?
     return Path(out_dir)

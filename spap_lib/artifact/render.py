@@ -31,7 +31,6 @@ def render_sweep(csv: str) -> str:
     perplexity per evaluation protocol, the budget actually removed, and the pruning time."""
     df = load_rows(csv)
     df = df[df["label"].isin(["dense", *("spap" + u for u in UPDATE_LABELS)])]
-    df = df.assign(calib=[f"{n}×{s}" for n, s in zip(df["nsamples"], df["seqlen"])])
     df = df.assign(eval=[f"ppl @ {s} × {'whole test' if int(w) < 0 else f'first {int(w)}'}"
                          for s, w in zip(df["eval_seqlen"], df["eval_windows"])])
     cell = ["model", "calib", "label", "sparsity"]
@@ -120,7 +119,9 @@ def render_budget128(csv: str) -> str:
     from spap_lib.artifact.figures import headline
 
     wide = _grid_protocol(headline(csv, eval_seqlen=512).reset_index())
-    wide = wide[wide["calib"] == "128×512"]
+    wide = wide[wide["calib"] == "128×512"] if len(wide) else wide
+    if not len(wide):
+        return "(no 128 × 512 rows in results/ablation.csv)"
     bare = {(m, label) for m, label in zip(wide["model"], wide["label"]) if "/" not in label}
     shown = [label == "dense" or "/" not in label or (m, label.split("/")[0]) not in bare
              for m, label in zip(wide["model"], wide["label"])]

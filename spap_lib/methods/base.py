@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from spap_lib.checks import ParameterError, check_fields, scalar
+from spap_lib.errors import option_name
 from spap_lib.methods.cost_model import Shapes, host_set, layer_cost, working_set
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.model.adapters import MLP
@@ -280,7 +281,12 @@ class Method:
         return self.pipeline == "layers"
 
     def check_settings(self, *, round_to: int | None, propagate: bool | None, resume_dir) -> None:
-        """Refuse run settings that the method's pipeline does not read (None: not given)."""
+        """Refuse run settings that the method's pipeline does not read (None: not given): a method that is not
+        ``resumable`` saves no finished layers, so a ``resume_dir`` would be ignored."""
+        if resume_dir is not None and not self.resumable:
+            raise ParameterError(f"method {self.name!r} does not take {option_name('resume_dir')}: it saves no "
+                                 f"finished layers to resume after (pipeline {self.pipeline!r}); drop "
+                                 f"{option_name('resume_dir')} (a run cut short starts over)")
 
     def prune(self, problem: LayerProblem) -> PruneResult:
         raise NotImplementedError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from spap_lib.errors import ParameterError, SourceError
+from spap_lib.errors import ParameterError, SourceError, option
 from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
 from spap_lib.model.converted import convert, load_converted
 from spap_lib.model.converted import folder as converted_folder
@@ -120,17 +120,32 @@ def context_length(config) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
+RUN_DEVICES = ("cpu", "cuda", "mps")  # device types whose kernels hold values and run every step of a prune
+
+
 def pick_device(device: str = "auto") -> torch.device:
+    """The device of a run, refused up front unless it exists on this machine and can run a prune: ``meta`` holds
+    no values and other types lack kernels a prune uses, so either would only fail after the model is loaded."""
     if not isinstance(device, str):
         raise ParameterError(f"device must be a string ('auto', 'cpu', 'cuda', 'cuda:0'), got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ParameterError(f"device {device!r} requested but CUDA is not available; use device='cpu' or 'auto'")
+    fix = f"use {option('device', 'cpu')} or {option('device', 'auto')}"  # the devices every machine has
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError:
-        raise ParameterError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ParameterError(f"unknown device {device!r}: {fix}, or 'cuda', 'cuda:N', 'mps'") from None
+    if dev.type not in RUN_DEVICES:
+        raise ParameterError(f"device {device!r} cannot run a prune (spap runs on {', '.join(RUN_DEVICES)}): {fix}")
+    gpus = torch.cuda.device_count() if dev.type == "cuda" and torch.cuda.is_available() else 0
+    if dev.type == "cuda" and not gpus:
+        raise ParameterError(f"device {device!r} requested but CUDA is not available on this machine: {fix}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= gpus:
+        raise ParameterError(f"device {device!r} does not exist: this machine has {gpus} CUDA device(s), "
+                             f"cuda:0 to cuda:{gpus - 1}: use {option('device', 'cuda:0')}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ParameterError(f"device {device!r} requested but MPS (Apple GPUs) is not available here: {fix}")
+    return dev
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -141,6 +156,46 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in table:
         raise ParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
     return table[dtype]
+
+
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def save_dtypes(choice: str, config, device: torch.device, offload: str) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype a run computes in (``pick_dtype("auto")``) and the one its checkpoint is saved in: ``auto`` is the
+    source's own dtype when it is half precision (a float16 source pruned on a CPU, in float32, is not saved at twice
+    its size), else the working dtype. An offloaded model's weights wait in host memory or spill files, which are
+    not cast, so there only a dtype that needs no cast is taken."""
+    if choice not in SAVE_DTYPES:
+        raise ParameterError(f"unknown save dtype {choice!r}; use one of {', '.join(SAVE_DTYPES)}")
+    working, source = pick_dtype("auto", device), source_dtype(config)
+    if choice == "auto":
+        half = source in (torch.float16, torch.bfloat16)
+        return working, source if half and offload == "none" else working
+    saved = pick_dtype(choice, device)
+    if saved != working and offload != "none":
+        raise ParameterError(f"{option('save_dtype', choice)} casts the pruned model, which an offloaded run "
+                             f"({option('offload', offload)}) cannot: use {option('offload', 'none')} or "
+                             f"{option('save_dtype', 'auto')} (saves {dtype_name(working)})")
+    return working, saved
+
+
+def source_dtype(config) -> torch.dtype | None:
+    """The dtype the source's weights were saved in, as its config records it; None where it does not say."""
+    dtype = getattr(config, "dtype", None)
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def dtype_note(config, working: torch.dtype, saved: torch.dtype) -> str:
+    """One line for a run's summary: ``weights computed in float32; saved as float16 (source float16)``."""
+    source = source_dtype(config)
+    return (f"weights computed in {dtype_name(working)}; saved as {dtype_name(saved)}"
+            + (f" (source {dtype_name(source)})" if source is not None else ""))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _dequantize(source: ModelSource) -> dict:

@@ -30,8 +30,10 @@ from pathlib import Path
 import torch
 
 from spap_lib.errors import ParameterError, SourceError
+from spap_lib.files import cache_dir
 from spap_lib.model.adapters import supported_model_types
 from spap_lib.model.formats import model_type_of
+from spap_lib.model.vocab import check_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -232,13 +234,6 @@ def _assembled_gguf(alias: str) -> ModelSource:
     return ModelSource(alias, "gguf", str(path.parent), path.name)
 
 
-def cache_dir() -> Path:
-    """Where assembled model files live: ``$SPAP_CACHE``, else ``$XDG_CACHE_HOME/spap``, else ~/.cache/spap."""
-    if os.environ.get("SPAP_CACHE"):
-        return Path(os.environ["SPAP_CACHE"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "spap"
-
-
 def _chunks(alias: str, spec: ChunkedGGUF) -> list[Path]:
     """The chunk files in order (located with find_spec: the packages are not imported)."""
     found = []
@@ -308,6 +303,7 @@ def check_checkpoint(path: Path) -> None:
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): save it next to the "
                                 "weights with tokenizer.save_pretrained(path) (spap.save does this)")
+    check_tokenizer(path, config)  # readable, and no id past the model's vocabulary
 
 
 def resolve(name: str) -> ModelSource:
@@ -327,6 +323,9 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
         check_checkpoint(path)
+        from spap_lib.keys import check_folder_digests
+
+        check_folder_digests(path)  # a checkpoint spap saved: every file as it was written
         source = ModelSource(name, "dir", str(path.resolve()))
         from spap_lib.model.loading import check_source_weights  # builds the model's skeleton: loading's job
 

@@ -12,6 +12,7 @@ layer's randomness is seeded by its index, and the activations are stored exactl
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,9 @@ from pathlib import Path
 import torch
 
 from spap_lib.checks import ParameterError
+from spap_lib.errors import OutputError
 from spap_lib.files import write_json_atomic
+from spap_lib.keys import sha256_of
 from spap_lib.model.adapters import MLP
 
 STATE = "state.json"
@@ -50,7 +53,16 @@ def _differ(saved: dict, expect: dict) -> list[str]:
     return sorted(k for k in expect if saved.get(k) != expect[k])
 
 
-def _another_run(folder: Path, differ: list[str]) -> ParameterError:
+def _values(saved: dict, expect: dict, differ: list[str]) -> str:
+    """``key: saved -> this run's`` for each difference (long values cut), so the user sees which setting moved."""
+    def short(v):
+        text = json.dumps(v, sort_keys=True, default=str)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return "; ".join(f"{k}: {short(saved.get(k))} there, {short(expect.get(k))} now" for k in differ[:4])
+
+
+def _another_run(folder: Path, differ: list[str], saved: dict | None = None,
+                 expect: dict | None = None) -> ParameterError:
     """The refusal of a folder whose layers this run must not reuse, naming what differs."""
     if "code" in differ:  # same settings, other source: an older or newer spap, or an edited method
         rest = [k for k in differ if k != "code"]
@@ -58,8 +70,9 @@ def _another_run(folder: Path, differ: list[str]) -> ParameterError:
             f"{folder} holds layers pruned by other code (spap's method, numerics or pipeline source differs: "
             f"another version of spap{', and ' + ', '.join(rest) if rest else ''}); they cannot be reused: delete "
             "the folder and the prune starts from the first layer")
-    return ParameterError(f"{folder} holds the layers of another run (differs in {', '.join(differ)}); delete it "
-                          "or resume with the same settings")
+    shown = f" ({_values(saved, expect, differ)})" if saved is not None and expect is not None else ""
+    return ParameterError(f"{folder} holds the layers of another run (differs in {', '.join(differ)}{shown}); "
+                          "delete it or resume with the same settings")
 
 
 def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
@@ -68,11 +81,15 @@ def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
     run). A file, a foreign folder, a foreign or corrupt ``state.json`` and the layers of another run
     (``expect``: the fingerprint's keys known so far, compared as stored) are refused, naming the fix."""
     folder = Path(folder)
-    if not folder.exists():
-        return "new"
-    if not folder.is_dir():
+    if folder.exists() and not folder.is_dir():
         raise ParameterError(f"resume folder {folder} is a file: give a directory (new or empty) for the "
                              "finished layers")
+    where = next(p for p in [folder.absolute(), *folder.absolute().parents] if p.exists())
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write in the resume folder {folder} ({where} is read-only for this user): "
+                          "give a folder you can write")
+    if not folder.exists():
+        return "new"
     state = _read_state(folder)
     if state is None:
         names = [p.name for p in folder.iterdir()]
@@ -86,8 +103,24 @@ def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
     expect = json.loads(json.dumps(expect or {}, sort_keys=True, default=str))
     differ = _differ(state["fingerprint"], expect)
     if differ:
-        raise _another_run(folder, differ)
+        raise _another_run(folder, differ, state["fingerprint"], expect)
+    verify(folder, state)
     return "resume"
+
+
+def verify(folder: Path, state: dict) -> None:
+    """Every file the commit point names is there with the content it recorded (a partial copy of a
+    pre-empted job's folder, a damaged disk): otherwise a refusal naming the file, before any work."""
+    for name, sha in state.get("files", {}).items():
+        path = folder / name
+        if not path.is_file():
+            raise ParameterError(f"resume folder {folder} lacks {name}, which its {STATE} lists (an incomplete "
+                                 "copy?): copy the whole folder again, or delete it and the prune starts from the "
+                                 "first layer")
+        if sha256_of(path) != sha:
+            raise ParameterError(f"resume folder {folder}: {name} is damaged (its sha256 differs from the one "
+                                 f"{STATE} recorded): copy the folder again, or delete it and the prune starts "
+                                 "from the first layer")
 
 
 class LayerCheckpoint:
@@ -106,11 +139,24 @@ class LayerCheckpoint:
         differ = _differ(state["fingerprint"], self.fingerprint) + \
             [k for k in state["fingerprint"] if k not in self.fingerprint]
         if differ:
-            raise _another_run(self.folder, differ)
+            raise _another_run(self.folder, differ, state["fingerprint"], self.fingerprint)
+        verify(self.folder, state)
         return state
 
     def save(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
-        """Layer ``i`` is finished: its pruned MLP, the next layer's inputs, then the commit point."""
+        """Layer ``i`` is finished: its pruned MLP, the next layer's inputs, then the commit point. A full disk
+        or a folder that became read-only is a refusal naming the folder (the layers committed so far stay)."""
+        from safetensors import SafetensorError
+
+        try:
+            self._save(i, mlp, hidden, batch_size, per_layer, kept)
+        except (OSError, SafetensorError) as err:
+            why = getattr(err, "strerror", None) or str(err)
+            raise OutputError(f"cannot save layer {i} in the resume folder {self.folder} ({why}): free space there "
+                              "or give a resume folder on a larger disk; rerunning resumes after the last saved "
+                              "layer") from None
+
+    def _save(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
         from safetensors.torch import save_file
 
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -121,17 +167,24 @@ class LayerCheckpoint:
             tensors["b_out"] = mlp.b_out.contiguous()
         tmp = self.folder / f".layer_{i:03d}.tmp"
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp))
+        layer_sha = sha256_of(tmp)
         os.replace(tmp, self.folder / f"layer_{i:03d}.safetensors")
         # The next layer's inputs under their own name: until state.json says so, the previous file stays
         # the one a resume reads (a kill between the two writes cannot pair layer i with i+1's inputs).
         name = f"hidden_{i + 1:03d}.bin"
         tmp = self.folder / f".{name}.tmp"
+        digest = hashlib.sha256()
         with open(tmp, "wb") as f:  # batch by batch: a spilled store is never read whole
             for s in range(0, hidden.shape[0], batch_size):
-                f.write(hidden[s:s + batch_size].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                block = hidden[s:s + batch_size].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+                digest.update(block)
+                f.write(block)
         os.replace(tmp, self.folder / name)
+        state = _read_state(self.folder) if i else None
+        files = {**(state or {}).get("files", {}), f"layer_{i:03d}.safetensors": layer_sha, name: digest.hexdigest()}
+        files = {k: v for k, v in files.items() if not k.startswith("hidden_") or k == name}
         write_json_atomic(self.folder / STATE, {
-            "fingerprint": self.fingerprint, "next": i + 1, "per_layer": per_layer, "kept": kept,
+            "fingerprint": self.fingerprint, "next": i + 1, "per_layer": per_layer, "kept": kept, "files": files,
             "hidden": {"file": name, "shape": list(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}})
         for old in self.folder.glob("hidden_*.bin"):  # committed: earlier inputs are not needed any more
             if old.name != name:
@@ -160,13 +213,19 @@ class LayerCheckpoint:
 
     def clear(self) -> None:
         """The run finished: its layers are in the model; our files go, then the folder if it is empty."""
-        if not self.folder.is_dir():
-            return
-        for path in self.folder.iterdir():
-            if _ours(path.name):
-                path.unlink()
-        if not any(self.folder.iterdir()):
-            self.folder.rmdir()
+        clear_folder(self.folder)
+
+
+def clear_folder(folder: str | os.PathLike) -> None:
+    """Remove spap's files from a resume folder, then the folder if that left it empty (never a user's files)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if _ours(path.name):
+            path.unlink()
+    if not any(folder.iterdir()):
+        folder.rmdir()
 
 
 def code_modules(method_cls) -> list:
@@ -196,10 +255,6 @@ def code_modules(method_cls) -> list:
 def code_hash(method_cls) -> str:
     """A short hash of ``code_modules``: layers pruned by other code are not reused; edits elsewhere do
     not invalidate."""
-    import hashlib
-    import inspect
+    from spap_lib.keys import code_digest
 
-    digest = hashlib.sha256()
-    for module in code_modules(method_cls):
-        digest.update(inspect.getsource(module).encode())
-    return digest.hexdigest()[:16]
+    return code_digest(*code_modules(method_cls))

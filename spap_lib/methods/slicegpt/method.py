@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from typing import ClassVar
 
 from spap_lib.checks import hp
-from spap_lib.errors import ParameterError
+from spap_lib.errors import ParameterError, option_name
 from spap_lib.methods.base import Method, register
 from spap_lib.methods.cost_model import Shapes, chunks_of
 
@@ -46,11 +46,11 @@ class SliceGPT(Method):
         layout_of(SimpleNamespace(config=config))  # an architecture it cannot rotate is refused before any work
 
     def check_settings(self, *, round_to: int | None, propagate: bool | None, resume_dir) -> None:
-        given = [k for k, v in (("round_to", round_to), ("propagate", propagate), ("resume_dir", resume_dir))
-                 if v is not None]
+        given = [option_name(k) for k, v in (("round_to", round_to), ("propagate", propagate)) if v is not None]
         if given:
             raise ParameterError(f"method {self.name!r} does not take {', '.join(given)} (it prunes the whole model "
                                  "at once; its kept dimension's multiple is its own hyperparameter round_to)")
+        super().check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)  # not resumable
 
     def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
         from spap_lib.methods.slicegpt.slicing import fuse_norms, plan_of, rotate_and_slice, sliced_dim

@@ -1,0 +1,151 @@
+"""Devices, tokenizers, the plan, sizes and dtypes: each refused or noted before a model is loaded.
+
+Every case drives the command as a user types it (``spap`` in this process, as test_entry_points does) and
+fails if the model is loaded first: ``sl.load`` is replaced by a recorder.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_entry_points import TINY, refused, spap
+
+import spap_lib as sl
+from spap_lib.errors import ParameterError, surface
+from spap_lib.plan import size
+
+
+@pytest.fixture
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint()
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """``sl.load`` that records a call and fails: a refusal must come before it."""
+    calls = []
+
+    def load(*a, **k):
+        calls.append(a)
+        raise AssertionError("the model was loaded before the refusal")
+    monkeypatch.setattr(sl, "load", load)
+    return calls
+
+
+def _tiny(args: list[str], device: str) -> list[str]:
+    cut = args.index("--device")
+    return args[:cut] + ["--device", device] + args[cut + 2:]
+
+
+@pytest.mark.parametrize("device,words", [("meta", ["cannot run a prune", "--device cpu"]),
+                                          ("mps", ["MPS", "--device cpu"]),
+                                          ("cuda:7", ["cuda:7"]),
+                                          ("tpu", ["unknown device"])])
+def test_a_device_that_cannot_run_a_prune_is_refused_before_loading(checkpoint, tmp_path, no_load, device, words):
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has eight GPUs")
+    refused(spap("prune", checkpoint, "--out", tmp_path / "o", *_tiny(TINY, device)), *words)
+    refused(spap("eval", checkpoint, *_tiny(TINY, device)[4:]), *words)
+    assert not no_load
+
+
+def _edit_tokenizer(folder, edit) -> None:
+    path = folder / "tokenizer.json"
+    blob = json.loads(path.read_text())
+    edit(blob)
+    path.write_text(json.dumps(blob))
+
+
+def test_a_tokenizer_past_the_vocabulary_is_refused_naming_both_files(checkpoint, tmp_path, no_load):
+    config = json.loads((checkpoint / "config.json").read_text())
+    vocab = config["vocab_size"]
+
+    def grow(blob):
+        blob["model"]["vocab"][f"extra{vocab}"] = vocab + 5  # an id the embedding has no row for
+    _edit_tokenizer(checkpoint, grow)
+    refused(spap("prune", checkpoint, "--out", tmp_path / "o", *TINY), "tokenizer.json", "vocab_size",
+            str(vocab + 5))
+    refused(spap("eval", checkpoint, *TINY[4:]), "tokenizer.json", "not this model's")
+    assert not no_load
+
+
+def test_a_damaged_or_missing_tokenizer_is_named_as_such(checkpoint, tmp_path, no_load):
+    path = checkpoint / "tokenizer.json"
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    refused(spap("eval", checkpoint, *TINY[4:]), str(path), "cut short")
+    path.unlink()
+    refused(spap("eval", checkpoint, *TINY[4:]), "vocabulary is missing", "save_pretrained")
+    assert not no_load
+
+
+@pytest.mark.parametrize("args,words", [(["--seqlen", "100000"], ["seqlen", "100000"]),
+                                        (["--eval-seqlen", "100000"], ["eval_seqlen"]),
+                                        (["--sparsity", "0.999"], ["sparsity"]),
+                                        (["--sparsity", "0.001"], ["sparsity"])])
+def test_the_plan_refuses_what_the_prune_refuses(checkpoint, tmp_path, no_load, args, words):
+    planned = refused(spap("plan", checkpoint, *args), *words)
+    pruned = refused(spap("prune", checkpoint, "--out", tmp_path / "o", *TINY, *args), *words)
+    first = lambda text: text.split(":")[1]  # noqa: E731 - the same refusal after "spap plan:" or "spap prune:"
+    assert first(planned) == first(pruned)
+
+
+def test_sizes_below_a_megabyte_are_not_zero():
+    assert size(100 / 2**20) == "100 KB" and size(0.4 / 2**10) == "410 KB" and size(3.0) == "3.0 GB"
+    assert size(1.5 / 2**10) == "1.5 MB" and size(12.5 / 2**10) == "12 MB" and size(1 / 2**30) == "0.00098 KB"
+
+
+def test_refusals_name_out_as_the_caller_typed_it(checkpoint, tmp_path):
+    (tmp_path / "o").write_text("a file")
+    err = refused(spap("prune", checkpoint, "--out", tmp_path / "o", *TINY), "--out")
+    assert "out_dir" not in err
+    with surface("papermill"), pytest.raises(Exception, match="out_dir"):
+        sl.artifact.manifest.check_out_dir(tmp_path / "o")
+
+
+def test_a_method_that_saves_no_layers_refuses_a_resume_folder_up_front(checkpoint, tmp_path, no_load):
+    err = refused(spap("prune", checkpoint, "--method", "slicegpt", "--resume-dir", tmp_path / "r",
+                       "--out", tmp_path / "o", *TINY), "--resume-dir", "slicegpt")
+    assert "resume_dir" not in err
+    with pytest.raises(ParameterError, match="resume_dir"):
+        sl.check_run(str(checkpoint), method="slicegpt", sparsity=0.2, resume_dir=tmp_path / "r")
+
+
+@pytest.fixture
+def half_checkpoint(tmp_path, tiny_tokenizer):
+    from conftest import tiny_model
+
+    path = tmp_path / "tiny-fp16"
+    tiny_model("llama").half().save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def _saved_dtypes(folder) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+
+
+def test_a_half_precision_source_is_saved_in_its_own_dtype_with_a_note(half_checkpoint, tmp_path):
+    out = tmp_path / "o"
+    result = spap("prune", half_checkpoint, "--method", "magnitude", "--out", out, *TINY)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "computed in float32; saved as float16 (source float16)" in result.stdout
+    assert _saved_dtypes(out) == {"F16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+    kept = tmp_path / "o32"
+    assert spap("prune", half_checkpoint, "--method", "magnitude", "--out", kept, "--save-dtype", "float32",
+                *TINY).returncode == 0
+    assert _saved_dtypes(kept) == {"F32"}
+
+
+def test_a_save_dtype_an_offloaded_run_cannot_cast_is_refused(half_checkpoint, tmp_path, no_load):
+    refused(spap("prune", half_checkpoint, "--out", tmp_path / "o", "--offload", "cpu", "--save-dtype", "float16",
+                 *TINY), "--save-dtype float16", "--offload none")
+    refused(spap("prune", half_checkpoint, "--out", tmp_path / "o", "--save-dtype", "int8", *TINY), "int8")
+    assert not no_load
