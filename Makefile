@@ -15,7 +15,7 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 # e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
 
-.PHONY: setup setup-qwen setup-engines engines main test smoke paper offline chain ablate ablate-qwen figures clean
+.PHONY: setup setup-qwen setup-engines engines main test smoke paper offline chain ablate ablate-qwen figures gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -124,6 +124,10 @@ figures: setup
 # The GGUF models' conversions (docs/scale.md: Loading a GGUF model) in build/cache: read once per checkout.
 SMOKE_NB := build/smoke_notebooks
 SMOKE_RUN := $(CURDIR)/build/smoke_run
+# Every GPU figure of the docs in one resumable command (bench/gpu_check.py); DRY=1: its steps on tiny shapes here.
+gpu-check: setup
+	$(PY) bench/gpu_check.py $(if $(DRY),--dry)
+
 test: setup
 	rm -rf $(SMOKE_NB) $(SMOKE_RUN) && mkdir -p $(SMOKE_NB)
 	for nb in $(NOTEBOOKS); do \

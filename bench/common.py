@@ -21,8 +21,7 @@ def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
     """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0) in the dtype
     ``sl.load`` gives it on ``device``, saved once as safetensors under bench/.cache (with a placeholder
     tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files."""
-    from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM
 
     from spap_lib.files import REPO, atomic_dir
     from spap_lib.model.loading import pick_dtype, read_config
@@ -42,9 +41,17 @@ def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(path) as tmp:
         model.save_pretrained(tmp)
-        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
-                                unk_token="<unk>").save_pretrained(tmp)
+        placeholder_tokenizer().save_pretrained(tmp)
     return path
+
+
+def placeholder_tokenizer():
+    """A one-token tokenizer for a random checkpoint: it calibrates on random tokens, but a checkpoint needs one."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                                   unk_token="<unk>")
 
 
 def random_calibration(vocab_size: int, nsamples: int, seqlen: int, seed: int) -> Calibration:
