@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
 def _prune(a) -> dict:
     import spap_lib as sl
     from spap_lib.artifact.card import command
-    from spap_lib.model.loading import dtype_name, dtype_note, pick_device, save_dtypes
+    from spap_lib.model.loading import cast_for_save, dtype_note, pick_device, save_dtypes
 
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
@@ -113,10 +113,7 @@ def _prune(a) -> dict:
                                       onloader=loaded.onloader)
     report["perplexity"] = ppl
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
-    if saved != loaded.model.dtype:  # just before the save: the prune and its perplexities ran in the working dtype
-        loaded.model.to(saved)
-    report["dtype"] = {"computed": dtype_name(working), "saved": dtype_name(saved),
-                       "note": dtype_note(job.config, working, saved)}
+    report["dtype"] = cast_for_save(loaded, job.config, working, saved)
     sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
     loaded.onloader.close()
     if a.resume_dir is not None:  # installed: a kill before here resumes after the last layer, not the first

@@ -156,6 +156,7 @@ def test_profile_dense_and_pruned_shapes(smoke_run):
     ({"hparams": {"K": -1}}, "K must be an integer >= 1"),
     ({"seqlen": 100_000}, "longer than smollm2-135m's context of 8192"),
     ({"offload": "gpu"}, "unknown offload 'gpu': use one of auto, none, cpu, disk"),
+    ({"save_dtype": "int8"}, "unknown save dtype 'int8'"),
 ])
 def test_bad_parameter_fails_before_work(tmp_path, bad, message):
     """A typo, a wrong type or a value out of range stops 02 before it loads a weight, writing nothing."""
@@ -164,6 +165,16 @@ def test_bad_parameter_fails_before_work(tmp_path, bad, message):
                             parameters={"run_dir": str(tmp_path / "run"), "out_dir": str(tmp_path / "out"), **bad},
                             progress_bar=False, cwd=str(NOTEBOOKS))
     assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_damaged_zero_shot_table_stops_04_before_any_evaluation(tmp_path):
+    table = tmp_path / "zeroshot.csv"
+    table.write_text("model,method,sparsity,task,metric,value\nm,dense,0.0,piqa,acc,0.5")  # cut: no final newline
+    with pytest.raises(pm.PapermillExecutionError, match=r"TableError.*zeroshot\.csv"):
+        pm.execute_notebook(NOTEBOOKS / "04_evaluate.ipynb", tmp_path / "04.ipynb",
+                            parameters={"run_dir": str(tmp_path / "run"), "results_csv": str(table)},
+                            progress_bar=False, cwd=str(NOTEBOOKS))
+    assert table.read_text().endswith("0.5")  # untouched
 
 
 @pytest.mark.slow

@@ -198,6 +198,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def cast_for_save(loaded: Loaded, config, working: torch.dtype, saved: torch.dtype) -> dict:
+    """Cast the pruned model to the dtype it is saved in (``save_dtypes``), after its perplexities ran in the
+    working dtype; returns the report's ``dtype`` entry. ``config``: the source's, which names its dtype."""
+    entry = {"computed": dtype_name(working), "saved": dtype_name(saved), "note": dtype_note(config, working, saved)}
+    if saved != loaded.model.dtype:
+        loaded.model.to(saved)
+    return entry
+
+
 def _dequantize(source: ModelSource) -> dict:
     """GGUF weights are unpacked into plain Linear layers: pruning needs dense float weights, and the
     pruned model is saved as an ordinary (stock-loadable) safetensors checkpoint."""
