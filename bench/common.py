@@ -17,10 +17,11 @@ from spap_lib.model.capture import capture_inputs
 RANDOM_NOTE = "; random weights and random tokens: the times hold, the errors are those of random layers"
 
 
-def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
+def random_checkpoint(alias: str, layers: int, device: torch.device, shrink: dict | None = None) -> Path:
     """A checkpoint of ``alias``'s shapes with ``layers`` decoder layers of random weights (seed 0) in the dtype
     ``sl.load`` gives it on ``device``, saved once as safetensors under bench/.cache (with a placeholder
-    tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files."""
+    tokenizer: calibration uses random tokens), so every offload mode loads the same weights from the same files.
+    ``shrink``: config fields set over the shipped ones (the same architecture at tiny widths, for dry runs)."""
     from transformers import AutoModelForCausalLM
 
     from spap_lib.files import REPO, atomic_dir
@@ -29,10 +30,12 @@ def random_checkpoint(alias: str, layers: int, device: torch.device) -> Path:
     from spap_lib.plan import shipped_config
 
     dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
-    path = REPO / "bench" / ".cache" / f"random-{alias}-{layers}-{str(dtype).removeprefix('torch.')}"
+    kind = "tiny" if shrink else "random"
+    path = REPO / "bench" / ".cache" / f"{kind}-{alias}-{layers}-{str(dtype).removeprefix('torch.')}"
     if (path / "config.json").is_file():
         return path
     config = shipped_config(alias) or read_config(resolve(alias))
+    config.update(shrink or {})
     config.num_hidden_layers = layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:layers]

@@ -31,12 +31,12 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from common import placeholder_tokenizer, random_calibration, random_checkpoint  # bench/, the script's own folder
+from common import random_calibration, random_checkpoint  # bench/, the script's own folder
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import device_name, git_revision
-from spap_lib.files import REPO, atomic_dir, write_csv_atomic, write_text_atomic
+from spap_lib.files import REPO, write_csv_atomic, write_text_atomic
 from spap_lib.model.loading import pick_device
 from spap_lib.numerics.memory import peak_rss_mb
 from spap_lib.plan import local_device, plan
@@ -81,28 +81,14 @@ class Sizes:
         return cls(4, 64, 2, 8) if dry else cls(128, 2048, 8, 256)
 
 
+# --dry: the same architectures at a width of 64
+TINY = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 32, "vocab_size": 512, "tie_word_embeddings": False}
+
+
 def checkpoint(alias: str, layers: int, device: torch.device, dry: bool) -> Path:
-    """Random weights of ``alias``'s shapes (``--dry``: the same architecture shrunk to a width of 64)."""
-    if not dry:
-        return random_checkpoint(alias, layers, device)
-    from transformers import AutoModelForCausalLM
-
-    from spap_lib.plan import shipped_config
-
-    path = REPO / "bench" / ".cache" / f"dry-{alias}-{layers}"
-    if (path / "config.json").is_file():
-        return path
-    config = shipped_config(alias)
-    config.update({"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 2, "num_key_value_heads": 1,
-                   "head_dim": 32, "vocab_size": 512, "num_hidden_layers": layers, "tie_word_embeddings": False})
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:layers]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with atomic_dir(path) as tmp:
-        model.save_pretrained(tmp)
-        placeholder_tokenizer().save_pretrained(tmp)
-    return path
+    """Random weights of ``alias``'s shapes (``--dry``: shrunk to ``TINY``)."""
+    return random_checkpoint(alias, layers, device, TINY if dry else None)
 
 
 def measure_layer(case: Case, sizes: Sizes, dry: bool) -> dict:

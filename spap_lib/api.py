@@ -69,7 +69,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
         from spap_lib.pipeline.resume import LayerCheckpoint, code_hash
 
         checkpoint = LayerCheckpoint(resume_dir, {
-            "model": source_key(loaded.source), "method": method, "threads": _threads(loaded.device),
+            "model": source_key(loaded.source), "method": method, "threads": threads(loaded.device),
             "hparams": algo.hparams(), "n_remove": plan.n_remove,
             "propagate": propagate, "calibration": calib.describe(), "seed": seed, "batch_size": batch_size,
             "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to,
@@ -128,7 +128,7 @@ def shape_variants(model: str, sparsities: list[float], round_tos: list[int | No
     return variants
 
 
-def _threads(device: torch.device) -> int | None:
+def threads(device: torch.device) -> int | None:
     """CPU results are bit-identical per seed at one thread count (reductions split by thread), so a resumed
     CPU prune must use the same count; on a GPU the host's threads do not enter the result."""
     return torch.get_num_threads() if device.type == "cpu" else None

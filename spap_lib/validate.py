@@ -145,13 +145,11 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
 def _resume_key(source: ModelSource, method: str, algo: Method, plan: SparsityPlan, device: str, **settings) -> dict:
     """What a resume folder's layers must have been pruned with, as far as it is known before loading: the
     model's content (not its path), the method, budget and settings, and on a CPU the thread count."""
+    from spap_lib.api import threads
     from spap_lib.keys import source_key
 
-    key = {"model": source_key(source), "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
-           **settings}
-    if pick_device(device).type == "cpu":
-        key["threads"] = torch.get_num_threads()
-    return key
+    return {"model": source_key(source), "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
+            "threads": threads(pick_device(device)), **settings}
 
 
 def check_config(model: str, config, algo: Method | None, sparsity: float | None, windows: dict[str, int | None],
