@@ -21,8 +21,10 @@ from spap_lib.evaluation.profile import Variant, free_device_memory
 from spap_lib.keys import source_key
 from spap_lib.methods import DEFAULT_METHOD, Method, get_method
 from spap_lib.model.loading import Loaded, context_length, load
+from spap_lib.numerics.collective import world
 from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
 from spap_lib.numerics.memory import measured
+from spap_lib.pipeline.distributed import record, share
 from spap_lib.pipeline.sequential import prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
 
@@ -54,6 +56,9 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
         raise ParameterError(f"method {algo.name!r} needs offload {' or '.join(map(repr, algo.offloads))}, got "
                              f"offload={loaded.offload!r}")
     if work and algo.pipeline == "model":  # the method declares its pipeline: the whole model at once
+        if world().parallel:
+            raise ParameterError(f"method {algo.name!r} prunes the whole model at once, in one process; run it "
+                                 "without torchrun (data-parallel prunes serve the layer-wise methods)")
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
@@ -73,10 +78,11 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
             "hparams": algo.hparams(), "n_remove": plan.n_remove,
             "propagate": propagate, "calibration": calib.describe(), "seed": seed, "batch_size": batch_size,
             "device": loaded.device.type, "dtype": str(loaded.model.dtype), "round_to": round_to,
-            "code": code_hash(type(algo))}, clear_when_done=clear_resume)
+            "code": code_hash(type(algo)), "world_size": world().size}, clear_when_done=clear_resume)
     torch.manual_seed(seed)
+    start, stop = share(calib.windows.shape[0])  # every window in one process; this rank's share of several
     with measured(loaded.device) as memory:
-        run = prune_model(loaded.model, loaded.adapter, calib.windows, algo, plan, device=loaded.device,
+        run = prune_model(loaded.model, loaded.adapter, calib.windows[start:stop], algo, plan, device=loaded.device,
                           onloader=loaded.onloader, batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate,
                           progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint) if work else \
             {"propagate": algo.propagates if propagate is None else propagate, "seconds": 0.0, "resumed_at_layer": 0,
@@ -90,7 +96,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
                              "mlp_width": {"dense": plan.width,
                                            "pruned": widths[0] if len(set(widths)) == 1 else widths},
                              "mlp_channel_ratio": plan.mlp_ratio},
-                   kept_channels=run["kept_channels"])
+                   kept_channels=run["kept_channels"], distributed=record(calib.windows.shape[0]))
 
 
 def shape_variants(model: str, sparsities: list[float], round_tos: list[int | None], method: str = "magnitude", *,

@@ -80,6 +80,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host-memory-gb", type=float, default=None)
     p.add_argument("--offload", default="auto")
     p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this (as spap prune)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks of a torchrun prune: one rank's memory and "
+                   "time (its share of the windows), and the all-reduce traffic")
     _eval_args(p)
 
     p = sub.add_parser("eval", help="WikiText-2 perplexity of a model or checkpoint")
@@ -89,20 +91,26 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _prune(a) -> dict:
+def _prune(a) -> dict | None:
     import spap_lib as sl
     from spap_lib.artifact.card import command
     from spap_lib.model.loading import cast_for_save, dtype_note, pick_device, save_dtypes
+    from spap_lib.numerics.collective import barrier
+    from spap_lib.pipeline import distributed
 
+    w, device = distributed.start(a.device)  # one rank of several under torchrun; else this process alone
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
     job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
-                       seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=a.device, out_dir=a.out,
+                       seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=device, out_dir=a.out,
                        overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
-    working, saved = save_dtypes(a.save_dtype, job.config, pick_device(a.device), job.offload)
-    print(job.summary() + "\n" + dtype_note(job.config, working, saved), flush=True)
-    loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=out.parent)
+    _ranks_agree(a, job, w)
+    working, saved = save_dtypes(a.save_dtype, job.config, pick_device(device), job.offload)
+    if w.rank == 0:
+        print(job.summary() + "\n" + dtype_note(job.config, working, saved), flush=True)
+    loaded = sl.load(a.model, device=device, offload=job.offload, spill_dir=out.parent)
     calib = sl.get_calibration(loaded, a.nsamples, a.seqlen, a.seed)
+    distributed.agree("calibration", calib.describe())  # the same windows, of which each rank takes its share
     ppl = {}
     if not a.no_eval:
         ppl["dense"] = sl.dense_perplexity(loaded, a.eval_seqlen, a.eval_windows)
@@ -114,17 +122,38 @@ def _prune(a) -> dict:
     report["perplexity"] = ppl
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
     report["dtype"] = cast_for_save(loaded, job.config, working, saved)
-    sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
+    barrier()  # every rank has finished its layers: only then is anything installed
+    if w.rank == 0:
+        sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
     loaded.onloader.close()
-    if a.resume_dir is not None:  # installed: a kill before here resumes after the last layer, not the first
+    if a.resume_dir is not None and w.rank == 0:  # installed: a kill before here resumes after the last layer
         from spap_lib.pipeline.resume import clear_folder
 
         clear_folder(a.resume_dir)
+    barrier()  # a rank exits 0 only once the checkpoint is installed
+    if w.rank > 0:
+        return None
     # what 02 writes as prune_result.json, and the dtypes computed in and saved in
     return {**sl.prune_result(a.model, a.method, a.sparsity, out, report), "dtype": report["dtype"]}
 
 
+def _ranks_agree(a, job, w) -> None:
+    """A data-parallel prune's ranks were given the same model and parameters, and each has a window to hold."""
+    from spap_lib.keys import source_key
+    from spap_lib.pipeline import distributed
+
+    if not w.parallel:
+        return
+    distributed.check_size(a.nsamples)
+    distributed.agree("run", {"model": source_key(job.source), "method": a.method, "sparsity": a.sparsity,
+                              "hparams": a.hparams, "nsamples": a.nsamples, "seqlen": a.seqlen, "seed": a.seed,
+                              "round_to": a.round_to, "offload": job.offload, "save_dtype": a.save_dtype,
+                              "out": str(Path(a.out).absolute()), "no_eval": a.no_eval,
+                              "eval": [a.eval_seqlen, a.eval_windows], "resume_dir": a.resume_dir})
+
+
 def _plan(a) -> str:
+    from spap_lib.errors import ParameterError
     from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
     from spap_lib.model.sources import known_models
@@ -140,11 +169,23 @@ def _plan(a) -> str:
                  {"round_to": a.round_to})
     device, memory = (a.device, a.device_memory_gb) if a.device else local_device(pick_device("auto"))
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
-    p = plan(a.model, method=a.method, sparsity=a.sparsity, nsamples=a.nsamples, seqlen=a.seqlen,
+    if a.world_size < 1 or a.world_size > a.nsamples:
+        raise ParameterError(f"--world-size {a.world_size}: give 1 to --nsamples ({a.nsamples}) ranks; every rank "
+                             "holds at least one window")
+    per_rank = -(-a.nsamples // a.world_size)  # the largest share (``distributed.share``)
+    p = plan(a.model, method=a.method, sparsity=a.sparsity, nsamples=per_rank, seqlen=a.seqlen,
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
              device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
              round_to=a.round_to, config=config)
-    return p.table()
+    if a.world_size == 1:
+        return p.table()
+    from spap_lib.pipeline.distributed import allreduce_lines
+    from spap_lib.plan import layer_shapes
+
+    head = f"world size {a.world_size}: one rank's plan, {per_rank} of {a.nsamples} windows (the decoder layer is " \
+           "replicated; the perplexity's windows are shared too)"
+    shapes = layer_shapes(config, a.sparsity, a.round_to)
+    return "\n".join([head, p.table(), *allreduce_lines(get_method(a.method), shapes, (a.world_size,))])
 
 
 def _eval(a) -> dict:
@@ -175,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         with surface("cli"):  # refusals name --flags, not keyword arguments
             if a.command == "prune":
                 out = _prune(a)
+                if out is None:  # a data-parallel prune's other ranks: rank 0 prints the result
+                    return 0
             elif a.command == "plan":
                 print(_plan(a))
                 return 0

@@ -53,6 +53,7 @@ from spap_lib.checks import ParameterError, Spec, check_values
 from spap_lib.methods import DEFAULT_METHOD
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.offload import check_offload
+from spap_lib.pipeline.sparsity import channels_removed
 from spap_lib.pricing import (
     BATCH,
     GB,
@@ -186,6 +187,15 @@ def _counts(config) -> dict:
             "heads": config.num_attention_heads, "per_channel": adapter.params_per_channel(layer),
             "in_proj": len(adapter.in_names),  # 2 for gate/up (GLU), 1 for OPT's fc1
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
+
+
+def layer_shapes(config, sparsity: float, round_to: int | None = None) -> dict:
+    """One layer's ``hidden``, dense ``width``, ``kept`` width and input projections, and the ``layers``: what the
+    all-reduce estimate of a data-parallel prune reads (``distributed.allreduce_lines``)."""
+    c = _counts(config)
+    removed = channels_removed(sparsity, c["decoder"], c["layers"], c["per_channel"], c["width"], round_to)
+    return {"hidden": c["hidden"], "width": c["width"], "kept": max(1, c["width"] - removed),
+            "in_proj": c["in_proj"], "layers": c["layers"]}
 
 
 def local_device(device: torch.device) -> tuple[str, float | None]:

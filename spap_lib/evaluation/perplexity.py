@@ -15,6 +15,7 @@ from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import tokenize, wikitext
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.loading import context_length
+from spap_lib.numerics.collective import all_sum_, world
 from spap_lib.numerics.linalg import NumericalError
 
 LOSS_CHUNK = 256  # positions per cross-entropy call
@@ -37,6 +38,8 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
     # peak (docs/scale.md: Memory per layer); streamed, only one span's logits exist at all.
     spans = [(s, min(s + LOSS_CHUNK, seqlen - 1)) for s in range(0, seqlen - 1, LOSS_CHUNK)]
     sums = [0.0] * n
+    w = world()
+    mine = list(range(w.rank, n, w.size))  # a data-parallel run's ranks share the windows; one process: all
 
     def add(i: int, s: int, logits: torch.Tensor) -> None:
         """Window ``i``'s summed next-token loss over positions ``s, …`` (``logits [1, positions, V]``)."""
@@ -48,13 +51,16 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
                                  "the model is numerically broken; its perplexity would be meaningless")
 
     if onloader is not None and onloader.streams:
-        streamed_logits(model, onloader, ids[:n * seqlen].reshape(n, seqlen), add, spans=spans)
+        windows = ids[:n * seqlen].reshape(n, seqlen)[mine]
+        streamed_logits(model, onloader, windows, lambda k, s, logits: add(mine[k], s, logits), spans=spans)
     else:
         device = device or next(model.parameters()).device
-        for i in tqdm(range(n), desc=f"ppl@{seqlen}", disable=not progress):
+        for i in tqdm(mine, desc=f"ppl@{seqlen}", disable=not progress or w.rank > 0):
             logits = model(input_ids=ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device), use_cache=False).logits
             for s, e in spans:
                 add(i, s, logits[:, s:e])
+    if w.parallel:
+        sums = all_sum_(torch.tensor(sums, dtype=torch.float64)).tolist()
     losses = [total / (seqlen - 1) for total in sums]
     return {"ppl": math.exp(sum(losses) / n), "seqlen": seqlen, "windows": n,
             "all_windows": n == ids.numel() // seqlen}

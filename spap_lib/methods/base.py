@@ -18,6 +18,7 @@ from spap_lib.errors import option_name
 from spap_lib.methods.cost_model import Shapes, host_set, layer_cost, working_set
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.model.adapters import MLP
+from spap_lib.numerics.collective import gather_rows
 from spap_lib.numerics.linalg import (
     PRECISIONS,
     check_finite,
@@ -104,7 +105,7 @@ class LayerProblem:
             energies = token_energies(self.Y, self.chunk, device)
         else:
             energies = token_energies(self.X, self.chunk, device, mlp=self.dense)
-        return top_share(energies)
+        return top_share(gather_rows(energies))  # the largest 1% of every rank's tokens
 
     def _dense_pass(self) -> None:
         """``H`` and ``Y`` from one pass (``gram_and_outputs``: the same numbers as computing each alone)."""

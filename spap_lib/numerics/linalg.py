@@ -20,6 +20,7 @@ import torch
 
 from spap_lib.errors import NumericalError
 from spap_lib.numerics import bf16
+from spap_lib.numerics.collective import all_sum, all_sum_
 
 
 def augment(Z: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -184,8 +185,9 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
         if Y is not None:
             with products(low, device):
                 YZ += (rows(Y, start, start + chunk, device).float().T @ Z).to(dtype)
+    all_sum_(H)  # over the ranks' tokens (``collective``): the identity in one process
     mirror(H)
-    return H if Y is None else (H, YZ)
+    return H if Y is None else (H, all_sum_(YZ))
 
 
 def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torch.float64):
@@ -202,7 +204,7 @@ def gram_and_outputs(mlp, X: torch.Tensor, chunk: int, dtype: torch.dtype = torc
         # at twice the bytes and be converted there
         Y[start:start + chunk] = torch.nn.functional.linear(Z, mlp.W_out, mlp.b_out).to(Y.dtype)
         add_gram(H, augment(Z, bias))
-    return mirror(H), Y
+    return mirror(all_sum_(H)), Y
 
 
 def outputs(mlp, X: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -237,8 +239,9 @@ def top_share(energies: torch.Tensor, fraction: float = 0.01) -> float:
 
 
 def sq_norm(Y: torch.Tensor, chunk: int = 8192, device=None) -> float:
-    """``‖Y‖²`` in float64, a chunk of rows at a time on ``device`` (default: ``Y``'s; no float64 copy of ``Y``)."""
-    return float(token_energies(Y, chunk, Y.device if device is None else device).sum())
+    """``‖Y‖²`` in float64, a chunk of rows at a time on ``device`` (default: ``Y``'s; no float64 copy of ``Y``),
+    over every rank's rows."""
+    return all_sum(float(token_energies(Y, chunk, Y.device if device is None else device).sum()))
 
 
 def mean_diag(H: torch.Tensor) -> float:

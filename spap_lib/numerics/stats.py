@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from spap_lib.numerics.collective import all_sum, all_sum_, total
 from spap_lib.numerics.linalg import rows
 
 if TYPE_CHECKING:  # an MLP is only read here (``intermediate``); numerics import nothing above them
@@ -69,21 +70,29 @@ class ChannelStats:
         self.z_sq += Z.pow_(2).sum(0)
         self.N += Z.shape[0]
 
+    def summed(self) -> "ChannelStats":
+        """The sums over every rank's tokens, in place (``collective``; the identity in one process), once the last
+        chunk is added."""
+        self.N = total(self.N)
+        all_sum_(self.z_sum)
+        all_sum_(self.z_sq)
+        return self
+
     @classmethod
     def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
         stats = cls.empty(mlp.width, mlp.W_out.device)
         with torch.no_grad():
             for start in range(0, X.shape[0], chunk):  # X may wait in host memory (``linalg.rows``)
                 stats.add(mlp.hidden(rows(X, start, start + chunk, mlp.W_out.device).float()))
-        return stats
+        return stats.summed()
 
 
 def block_angular(h_in: torch.Tensor, h_out: torch.Tensor, batch: int = 8) -> float:
     """Sum over tokens of the angle between a block's input and output hidden states, in units of π
     (the block-influence metric CFSP allocates sparsity with; ShortGPT's angular distance)."""
-    total = 0.0
+    angles = 0.0
     for start in range(0, h_in.shape[0], batch):  # a batch at a time: no float64 copy of all hidden states
         a = h_in[start:start + batch].reshape(-1, h_in.shape[-1]).double()
         b = h_out[start:start + batch].reshape(-1, h_out.shape[-1]).to(a.device).double()
-        total += float(torch.arccos(torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).sum())
-    return total / math.pi
+        angles += float(torch.arccos(torch.nn.functional.cosine_similarity(a, b, dim=-1).clamp(-1, 1)).sum())
+    return all_sum(angles) / math.pi

@@ -24,6 +24,7 @@ from spap_lib.errors import OutputError
 from spap_lib.files import write_json_atomic
 from spap_lib.keys import sha256_of
 from spap_lib.model.adapters import MLP
+from spap_lib.numerics.collective import barrier, gather_objects, world
 
 STATE = "state.json"
 
@@ -128,8 +129,9 @@ class LayerCheckpoint:
         self.folder, self.fingerprint = Path(folder), json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
         self.clear_when_done = clear_when_done
         # Only a folder of ours is ever written or cleared: never a user's directory given by mistake.
-        if check_folder(self.folder) == "restart":  # killed before its first commit: nothing to resume
+        if check_folder(self.folder) == "restart" and world().rank == 0:  # killed before its first commit
             self.clear()
+        barrier()  # ranks share the folder: none writes before rank 0 has cleared it
 
     def load(self) -> dict | None:
         """The finished layers' state, or None if nothing was finished; refuses another run's folder."""
@@ -141,6 +143,10 @@ class LayerCheckpoint:
         if differ:
             raise _another_run(self.folder, differ, state["fingerprint"], self.fingerprint)
         verify(self.folder, state)
+        seen = gather_objects(state["next"])
+        if len(set(seen)) > 1:  # a folder on each node's own disk, not one every rank reads
+            raise ParameterError(f"the ranks read different resume folders at {self.folder} (finished layers: "
+                                 f"{seen}): give a --resume-dir on a file system every rank shares")
         return state
 
     def save(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
@@ -157,9 +163,33 @@ class LayerCheckpoint:
                               "layer") from None
 
     def _save(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
+        if world().parallel:
+            return self._save_ranks(i, mlp, hidden, batch_size, per_layer, kept)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        layer_sha = self._save_layer(i, mlp)
+        # The next layer's inputs under their own name: until state.json says so, the previous file stays
+        # the one a resume reads (a kill between the two writes cannot pair layer i with i+1's inputs).
+        hidden_file = self._save_hidden(f"hidden_{i + 1:03d}.bin", hidden, batch_size)
+        self._commit(i, per_layer, kept, {f"layer_{i:03d}.safetensors": layer_sha}, hidden_file)
+        self._drop_older(hidden_file["file"], "hidden_*.bin")
+
+    def _save_ranks(self, i: int, mlp: MLP, hidden, batch_size: int, per_layer: list, kept: list) -> None:
+        """The same commit across ranks sharing the folder: rank 0 the layer, every rank its own share of the next
+        layer's inputs; once all are written rank 0 commits ``state.json``, and only then does any rank delete its
+        older inputs (a kill at any point leaves one consistent commit)."""
+        w = world()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        layer = {f"layer_{i:03d}.safetensors": self._save_layer(i, mlp)} if w.rank == 0 else {}
+        mine = self._save_hidden(f"hidden_{i + 1:03d}.rank{w.rank}of{w.size}.bin", hidden, batch_size)
+        every = gather_objects(mine)  # also the barrier: every rank's file is written
+        if w.rank == 0:
+            self._commit(i, per_layer, kept, layer, every)
+        barrier()
+        self._drop_older(mine["file"], f"hidden_*.rank{w.rank}of{w.size}.bin")
+
+    def _save_layer(self, i: int, mlp: MLP) -> str:
         from safetensors.torch import save_file
 
-        self.folder.mkdir(parents=True, exist_ok=True)
         tensors = {f"W_in.{k}": W.contiguous() for k, W in enumerate(mlp.W_in)}
         tensors.update({f"b_in.{k}": b.contiguous() for k, b in enumerate(mlp.b_in) if b is not None})
         tensors["W_out"] = mlp.W_out.contiguous()
@@ -169,9 +199,9 @@ class LayerCheckpoint:
         save_file({k: v.detach().cpu() for k, v in tensors.items()}, str(tmp))
         layer_sha = sha256_of(tmp)
         os.replace(tmp, self.folder / f"layer_{i:03d}.safetensors")
-        # The next layer's inputs under their own name: until state.json says so, the previous file stays
-        # the one a resume reads (a kill between the two writes cannot pair layer i with i+1's inputs).
-        name = f"hidden_{i + 1:03d}.bin"
+        return layer_sha
+
+    def _save_hidden(self, name: str, hidden, batch_size: int) -> dict:
         tmp = self.folder / f".{name}.tmp"
         digest = hashlib.sha256()
         with open(tmp, "wb") as f:  # batch by batch: a spilled store is never read whole
@@ -180,15 +210,25 @@ class LayerCheckpoint:
                 digest.update(block)
                 f.write(block)
         os.replace(tmp, self.folder / name)
+        return {"file": name, "sha256": digest.hexdigest(), "shape": list(hidden.shape),
+                "dtype": str(hidden.dtype).removeprefix("torch.")}
+
+    def _commit(self, i: int, per_layer: list, kept: list, layer: dict, hidden: dict | list[dict]) -> None:
+        """``state.json``, the commit point: the files so far (older inputs dropped) and where the next layer's
+        inputs are (``hidden``: one file's entry, or every rank's in rank order)."""
         state = _read_state(self.folder) if i else None
-        files = {**(state or {}).get("files", {}), f"layer_{i:03d}.safetensors": layer_sha, name: digest.hexdigest()}
-        files = {k: v for k, v in files.items() if not k.startswith("hidden_") or k == name}
+        files = {k: v for k, v in (state or {}).get("files", {}).items() if not k.startswith("hidden_")}
+        entries = hidden if isinstance(hidden, list) else [hidden]
+        files.update({**layer, **{h["file"]: h["sha256"] for h in entries}})
+        where = [{k: v for k, v in h.items() if k != "sha256"} for h in entries]
         write_json_atomic(self.folder / STATE, {
             "fingerprint": self.fingerprint, "next": i + 1, "per_layer": per_layer, "kept": kept, "files": files,
-            "hidden": {"file": name, "shape": list(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}})
-        for old in self.folder.glob("hidden_*.bin"):  # committed: earlier inputs are not needed any more
+            "hidden": where if isinstance(hidden, list) else where[0]})
+
+    def _drop_older(self, name: str, pattern: str) -> None:
+        for old in self.folder.glob(pattern):  # committed: earlier inputs are not needed any more
             if old.name != name:
-                old.unlink()
+                old.unlink(missing_ok=True)
 
     def layer(self, i: int, like: MLP) -> MLP:
         """Layer ``i``'s pruned MLP (activation and layout from ``like``, the dense one)."""
@@ -200,11 +240,13 @@ class LayerCheckpoint:
                    W_out=t["W_out"], b_out=t.get("b_out"), act=like.act, glu=like.glu)
 
     def hidden(self, state: dict, store, batch_size: int):
-        """The saved activations, written batch by batch into ``store(shape, dtype)``."""
-        shape, dtype = state["hidden"]["shape"], getattr(torch, state["hidden"]["dtype"])
+        """The saved activations (this rank's share, in a data-parallel prune), written batch by batch into
+        ``store(shape, dtype)``."""
+        entry = state["hidden"][world().rank] if isinstance(state["hidden"], list) else state["hidden"]
+        shape, dtype = entry["shape"], getattr(torch, entry["dtype"])
         out = store(tuple(shape), dtype)
         row = int(torch.tensor([], dtype=dtype).element_size() * torch.Size(shape[1:]).numel())
-        with open(self.folder / state["hidden"]["file"], "rb") as f:
+        with open(self.folder / entry["file"], "rb") as f:
             for s in range(0, shape[0], batch_size):
                 n = min(batch_size, shape[0] - s)
                 buf = bytearray(f.read(n * row))
@@ -212,8 +254,10 @@ class LayerCheckpoint:
         return out
 
     def clear(self) -> None:
-        """The run finished: its layers are in the model; our files go, then the folder if it is empty."""
-        clear_folder(self.folder)
+        """The run finished: its layers are in the model; our files go (rank 0's job), then the folder if empty."""
+        barrier()
+        if world().rank == 0:
+            clear_folder(self.folder)
 
 
 def clear_folder(folder: str | os.PathLike) -> None:

@@ -19,6 +19,7 @@ from spap_lib.methods.scores import ScoreMethod
 from spap_lib.model.adapters import Adapter
 from spap_lib.model.capture import Batching, first_layer_inputs, replay
 from spap_lib.model.offload import Onloader
+from spap_lib.numerics.collective import broadcast_, total, world
 from spap_lib.numerics.linalg import (
     NumericalError,
     check_finite,
@@ -66,7 +67,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
                 out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, _batching(onloader, run),
                                 watch)
             if X is None:
-                s = ChannelStats.blocks_only(hidden.shape[0] * hidden.shape[1])
+                s = ChannelStats.blocks_only(total(hidden.shape[0] * hidden.shape[1]))
             else:
                 check_finite(X, f"layer {i}: the MLP inputs")
                 mlp = adapter.get_mlp(layer)
@@ -135,6 +136,7 @@ def prune_model(
     and resumes after the last one it finds (removed once the run completes).
     """
     propagate = method.propagates if propagate is None else propagate
+    progress = progress and world().rank == 0  # one bar for a data-parallel prune
     run = RunSettings(batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate, progress=progress)
     onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
     method.prepare(adapter)  # architecture checks before any work
@@ -194,12 +196,22 @@ def _prune_from_stats(adapter: Adapter, method: ScoreMethod, onloader: Onloader,
     per_layer, kept = [], []
     for i, (s, n_remove) in enumerate(zip(stats, removals)):
         with onloader.layer(i) as layer:
-            result = method.select(adapter.get_mlp(layer), s, n_remove)
+            result = _same_on_every_rank(method.select(adapter.get_mlp(layer), s, n_remove))
             adapter.set_mlp(layer, result.mlp)
             onloader.finished(i)
         per_layer.append({"layer": i, "removed": n_remove, **result.info})
         kept.append(result.keep.tolist())
     return per_layer, kept
+
+
+def _same_on_every_rank(result):
+    """Rank 0's kept channels and weights on every rank of a data-parallel prune (``collective.broadcast_``): they
+    computed them from the same sums, and a kernel that is not bit-reproducible across devices cannot make the
+    ranks' next layers start from different weights. One process: ``result`` as it is."""
+    mlp = result.mlp
+    broadcast_([result.keep, *mlp.W_in, *(b for b in mlp.b_in if b is not None), mlp.W_out,
+                *([mlp.b_out] if mlp.b_out is not None else [])])
+    return result
 
 
 def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, inputs: tuple[list, dict],
@@ -240,6 +252,7 @@ def _prune_sequential(adapter: Adapter, method: Method, onloader: Onloader, inpu
             with matmul_precision(precision):
                 result = problem.keep_dense() if method.fits and problem.nothing_to_fit else method.prune(problem)
             del problem, X
+            result = _same_on_every_rank(result)
             adapter.set_mlp(layer, result.mlp)
             # Next layer's calibration inputs: through the pruned layer (paper) or the dense one.
             if propagate:

@@ -43,6 +43,7 @@ from spap_lib.methods.spap.cost import layer_cost, token_samples
 from spap_lib.methods.spap.curves import error_curve
 from spap_lib.methods.spap.penalty import Penalty, penalty_method, with_bias
 from spap_lib.model.adapters import MLP
+from spap_lib.numerics.collective import total
 from spap_lib.numerics.linalg import (
     PRECISION_CHOICES,
     mean_diag,
@@ -246,7 +247,7 @@ class Composition(Method):
         score that needs channel means (its ``needs``: ``channel_mean``)."""
         if "channel_mean" in SELECTIONS[self.select].needs:
             return ChannelStats.of(mlp, X, chunk)
-        return ChannelStats.norms(torch.diagonal(H)[:mlp.width], X.shape[0])
+        return ChannelStats.norms(torch.diagonal(H)[:mlp.width], total(X.shape[0]))  # every rank's tokens
 
     def choose(self, problem: LayerProblem) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
         """The selection: the kept channels (sorted), the penalty method's own refitted output projection (Alg. 1's

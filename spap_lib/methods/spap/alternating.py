@@ -17,6 +17,7 @@ import torch
 
 from spap_lib.methods.parts.selection import UPDATES, Update
 from spap_lib.model.adapters import MLP
+from spap_lib.numerics.collective import all_sum, grads_sum_, local_rows, span, total, world
 from spap_lib.numerics.linalg import energies, gram, mean_diag, products, rows, sq_norm
 from spap_lib.numerics.solve import reconstruction_error, ridge
 
@@ -56,17 +57,28 @@ def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: flo
 def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
                   steps: int, batch_tokens: int, low: bool = False) -> None:
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
-    (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32)."""
+    (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32). Across ranks
+    (``collective``) the mini-batches are drawn over the global rows, each rank adds the loss of the rows it holds,
+    and the gradients are summed before each step: the steps one process would take."""
     device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
+    start, N = span(X.shape[0])
+    parallel = world().parallel
     # Every step's mini-batch drawn at once (the same draws as one call per step) and moved in one copy: on a GPU
     # a copy per step made the host wait for the device at every step (docs/scale.md: SPAP against FASP on an H100)
-    batches = torch.randint(X.shape[0], (steps, min(batch_tokens, X.shape[0])), generator=gen).to(X.device)
+    batches = torch.randint(N, (steps, min(batch_tokens, N)), generator=gen)
+    batches = [local_rows(b, start, X.shape[0]).to(X.device) for b in batches] if parallel else batches.to(X.device)
+    params = [p for group in opt.param_groups for p in group["params"]]
     for idx in batches:
         x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # faster than ``T[idx]``
         with products(low, device):
-            loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
+            if parallel:  # this rank's share of the mini-batch's mean: the ranks' shares sum to it
+                loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float(), reduction="sum") / \
+                    (min(batch_tokens, N) * Y.shape[1])
+            else:
+                loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        grads_sum_(params)
         opt.step()
 
 
@@ -74,11 +86,11 @@ def subsample(X: torch.Tensor, Y: torch.Tensor | None, tokens: int,
               seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
     when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds (``Y`` may be None)."""
-    N = X.shape[0]
+    start, N = span(X.shape[0])  # across ranks: one sample of the global rows, each rank keeps the ones it holds
     if tokens == 0 or tokens >= N:
         return X, Y
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.sort(torch.randperm(N, generator=gen)[:tokens]).values.to(X.device)
+    idx = local_rows(torch.sort(torch.randperm(N, generator=gen)[:tokens]).values, start, X.shape[0]).to(X.device)
     return X.index_select(0, idx), None if Y is None else Y.index_select(0, idx)
 
 
@@ -152,7 +164,7 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
     r = rounds
     iters, adam_steps, batch_tokens, damp, chunk, seed = r.iters, r.adam_steps, r.batch_tokens, r.damp, r.chunk, r.seed
     sketch_tokens, low, resample, rank_tokens = r.sketch_tokens, r.bf16, r.resample, r.rank_tokens
-    sampled = 0 < sketch_tokens < X.shape[0]
+    sampled = 0 < sketch_tokens < total(X.shape[0])
     resampled = resample and sampled
     # the rounds' one sample, or (resampled) the sample that ranks them
     Xr, Yr, YYr = rounds_sample(X, Y, YY, (rank_tokens or sketch_tokens) if resampled else sketch_tokens, seed,
@@ -204,10 +216,11 @@ def damping(H: torch.Tensor, n: int, damp: float) -> torch.Tensor:
 
 @torch.no_grad()
 def calibration_error(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, chunk: int) -> float:
-    """``‖Y − mlp(X)‖²`` a chunk of tokens at a time on the MLP's device."""
+    """``‖Y − mlp(X)‖²`` a chunk of tokens at a time on the MLP's device, over every rank's tokens."""
     device = mlp.W_out.device
-    return sum(float(energies(mlp(rows(X, s, s + chunk, device).float()) - rows(Y, s, s + chunk, device).float()).sum())
-               for s in range(0, X.shape[0], chunk))
+    local = sum(float(energies(mlp(rows(X, s, s + chunk, device).float()) - rows(Y, s, s + chunk, device).float())
+                      .sum()) for s in range(0, X.shape[0], chunk))
+    return all_sum(local)
 
 
 def gradient_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Rounds, *, YY: float) -> tuple[MLP, dict]:

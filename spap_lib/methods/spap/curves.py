@@ -12,6 +12,7 @@ import torch
 from spap_lib.methods.spap.alternating import subsample
 from spap_lib.methods.spap.penalty import with_bias
 from spap_lib.model.adapters import MLP
+from spap_lib.numerics.collective import total
 from spap_lib.numerics.linalg import PRECISIONS, check_finite, gram, matmul_precision, mean_diag, resolve_precision
 from spap_lib.numerics.solve import nested_lstsq_errors, reconstruction_error
 from spap_lib.numerics.stats import ChannelStats
@@ -46,7 +47,7 @@ def error_curve(m: Composition, mlp: MLP, X: torch.Tensor, chunk: int, residual:
     with matmul_precision(precision):
         weigh = reference if reference is not None else "output" if weight == "token" else None
         H = gram(mlp, Xe, chunk, dtype=PRECISIONS[precision], weigh=weigh, each=None if taken is None else taken.add)
-    stats = taken if stats is None else stats
+    stats = taken.summed() if stats is None else stats
     check_finite(H, "the error curve's Gram matrix entries")
     n, bias = mlp.width, mlp.b_out is not None
     order = torch.argsort(m.allocation_scores(mlp, stats), descending=True).to(H.device)  # best first
@@ -55,7 +56,7 @@ def error_curve(m: Composition, mlp: MLP, X: torch.Tensor, chunk: int, residual:
     YY = max(float((YZ.double() * W0.double()).sum()), torch.finfo(torch.float64).tiny)  # ‖Y‖² = ⟨W0 H, W0⟩
     # "residual": the errors relative to the residual stream, averaged over the tokens, in the same units in
     # every layer; the others: relative to the layer's own (weighted) output energy
-    norm = Xe.shape[0] if weight == "residual" else YY
+    norm = total(Xe.shape[0]) if weight == "residual" else YY
     scale = mean_diag(H[:n, :n])
     points = curve_points(n)
     if not m.refits:  # the dense weights of the kept columns
