@@ -100,8 +100,8 @@ def record(nsamples: int) -> dict:
     return {"world_size": w.size, "backend": backend, "window_shares": shares(nsamples, w.size)}
 
 
-# Link rates for the all-reduce estimate, GB/s per direction: an H100's NVLink 4 (900 GB/s both ways) and 100 Gb/s
-# Ethernet, as specified (not measured here).
+# Link rates for the all-reduce estimate, GB/s per direction, as the links' specifications give them
+# (docs/distributed.md: Where it pays).
 LINKS = {"NVLink (450 GB/s)": 450.0, "100 Gb/s Ethernet (12.5 GB/s)": 12.5}
 
 
