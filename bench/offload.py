@@ -35,7 +35,7 @@ import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import device_name, git_revision
 from spap_lib.files import write_csv_atomic, write_text_atomic
-from spap_lib.numerics.memory import peak_rss_mb
+from spap_lib.numerics.memory import process_peak_rss_mb
 from spap_lib.plan import available_host_gb, local_device, plan
 
 GB = 2**30
@@ -64,7 +64,7 @@ def one(args) -> dict:
     result = {"model": args.model + (f" (random weights, {args.layers} layers)" if args.random else ""),
               "offload": args.offload, "method": args.method, "hparams": json.dumps(hparams),
               "calibration": f"{args.nsamples} x {args.seqlen}", "device": device_name(device),
-              "load s": round(t_load, 1), "peak host GB after load": round(peak_rss_mb() / 1024, 3)}
+              "load s": round(t_load, 1), "peak host GB after load": round(process_peak_rss_mb() / 1024, 3)}
     if args.load_only:
         return result
     if not args.random:
@@ -85,7 +85,7 @@ def one(args) -> dict:
         sl.save(loaded, report, out)
         checks = sl.artifact.manifest.read_checkpoint_manifest(out)["checks"]
         result["save s"], result["reload max |diff|"] = round(time.perf_counter() - t, 1), checks["reload_max_abs_diff"]
-    result["peak host GB (measured, whole run)"] = round(peak_rss_mb() / 1024, 3)
+    result["peak host GB (measured, whole run)"] = round(process_peak_rss_mb() / 1024, 3)
     result["peak host GB (plan)"] = round(p.peak_host_gb, 3)
     if device.type == "cuda":
         result["peak device GB (measured, from prune on)"] = round(torch.cuda.max_memory_allocated(device) / GB, 3)

@@ -223,3 +223,32 @@ def test_streamed_perplexity_holds_one_span_of_logits(checkpoint, tmp_path, mode
     hook.remove()
     assert got == pytest.approx(expected, rel=1e-6)
     assert positions == [5, 5, 5, 5, 3] * 4  # 4 windows of 24: spans of 5 positions over the 23 with a target
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "F16"])
+def test_gguf_tensors_dequantize_by_row_blocks_to_the_whole_result(qtype):
+    """The store dequantizes a large tensor a block of rows at a time into one array (one float32 copy, not
+    two); the result is gguf's own dequantization of the whole tensor, bit for bit, at a ragged last block."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    from spap_lib.model.stores import _dequantized
+
+    kind = GGMLQuantizationType[qtype]
+    raw = quantize(np.random.default_rng(0).standard_normal((1000, 512)).astype(np.float32), kind)
+    whole = dequantize(raw, kind)
+    blocks = _dequantized(raw, kind, rows_per_block=96)
+    assert blocks.shape == whole.shape == (1000, 512) and np.array_equal(blocks, whole)
+
+
+def test_the_process_peak_outlives_the_per_stage_resets():
+    """A stage's ``measured`` resets the kernel's high-water mark; the whole run's peak (bench/offload.py's
+    column) must still count what came before it, such as a model's load."""
+    from spap_lib.numerics.memory import measured, peak_rss_mb, process_peak_rss_mb
+
+    ballast = torch.ones(256 * 2**20, dtype=torch.uint8)  # 256 MB resident, then freed
+    del ballast
+    high = peak_rss_mb()
+    with measured():
+        pass
+    assert peak_rss_mb() < high - 128 and process_peak_rss_mb() >= high

@@ -3,7 +3,7 @@ by the GGUF file's content.
 
 Reading a GGUF through ``transformers`` parses its metadata (the whole vocabulary among it) for the config, the
 tokenizer and the weights, and maps every tensor name, on every load; a safetensors folder loads in a fraction of
-that time (docs/scale.md: Loading a GGUF model). The folder is named by the file's SHA-256 and carries a record
+that time (docs/gguf.md). The folder is named by the file's SHA-256 and carries a record
 of that digest and of the ``transformers`` version that converted it, so a changed file or converter is a new
 conversion, never a reuse; a folder that does not load is removed and made again.
 

@@ -86,7 +86,6 @@ class GGUFStore:
             TENSOR_PROCESSORS,
             TensorProcessor,
             get_gguf_hf_weights_map,
-            load_gguf_checkpoint,
             read_field,
         )
 
@@ -98,8 +97,9 @@ class GGUFStore:
         self._tensors = {t.name: _TensorInfo(int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
                                              t.tensor_type) for t in reader.tensors}
         del reader
-        # Metadata only (no tensors); its config alone is kept (the parse holds the tokenizer too).
-        self._parsed = {"config": load_gguf_checkpoint(str(self.path))["config"], "tensors": {}}
+        # The processors read head counts and sizes from transformers' names for the config, which the skeleton
+        # already has from the same metadata: parsing the file again would hold its vocabulary once more.
+        self._parsed = {"config": skeleton.config.to_dict(), "tensors": {}}
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self._parsed["config"])
         self._gguf_to_hf = get_gguf_hf_weights_map(skeleton, self.processor)
         self.where = {hf: g for g, hf in self._gguf_to_hf.items() if g in self._tensors}
@@ -115,7 +115,6 @@ class GGUFStore:
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         import numpy as np
-        from gguf import dequantize
 
         gguf_name = self.where[name]
         tensor = self._tensors[gguf_name]
@@ -123,8 +122,7 @@ class GGUFStore:
         # whole file, after one pass).
         with open(self.path, "rb") as f:
             raw = os.pread(f.fileno(), tensor.n_bytes, tensor.offset)
-        data = np.frombuffer(raw, dtype=tensor.dtype).reshape(tensor.shape)
-        weights = dequantize(data, tensor.type)
+        weights = _dequantized(np.frombuffer(raw, dtype=tensor.dtype).reshape(tensor.shape), tensor.type)
         weights = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self._gguf_to_hf,
                                          parsed_parameters=self._parsed).weights
         # One float32 copy of the tensor, not two (a large vocabulary's embeddings; docs/scale.md: Same answer):
@@ -134,3 +132,21 @@ class GGUFStore:
         if not weights.flags.writeable:
             weights = weights.copy()
         return torch.from_numpy(weights).to(dtype)
+
+
+def _dequantized(data, qtype, rows_per_block: int = 4096):
+    """``gguf.dequantize`` a block of rows at a time into one float32 array. Whole, it holds every row group's
+    result in a list and then concatenates them: two float32 copies of a large vocabulary's embeddings
+    (docs/gguf.md)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, dequantize
+
+    rows = data.reshape(-1, data.shape[-1]) if data.ndim > 1 else data[None]
+    if qtype == GGMLQuantizationType.F32 or rows.shape[0] <= rows_per_block:
+        return dequantize(data, qtype)
+    first = dequantize(rows[:rows_per_block], qtype)
+    out = np.empty((rows.shape[0], first.shape[-1]), dtype=first.dtype)
+    out[:rows_per_block] = first
+    for start in range(rows_per_block, rows.shape[0], rows_per_block):
+        out[start:start + rows_per_block] = dequantize(rows[start:start + rows_per_block], qtype)
+    return out.reshape(*data.shape[:-1], first.shape[-1])

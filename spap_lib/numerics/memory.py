@@ -13,9 +13,14 @@ from contextlib import contextmanager
 
 import torch
 
+_before_resets = 0.0  # the highest high-water mark a reset cleared (``process_peak_rss_mb``)
+
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's resident-set high-water mark (Linux), so the peak covers generation only."""
+    """Reset the kernel's resident-set high-water mark (Linux), so the peak covers one stage only; the
+    mark it clears is kept for ``process_peak_rss_mb``."""
+    global _before_resets
+    _before_resets = max(_before_resets, peak_rss_mb())
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -36,6 +41,11 @@ def peak_rss_mb() -> float:
         pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def process_peak_rss_mb() -> float:
+    """Peak resident set of the whole process so far, across the per-stage resets of ``measured``."""
+    return max(_before_resets, peak_rss_mb())
 
 
 def rss_mb() -> float:
