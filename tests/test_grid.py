@@ -13,6 +13,7 @@ from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.base import parse_label
 from spap_lib.model.loading import Loaded
 from spap_lib.model.sources import ModelSource
+from spap_lib.pipeline.sequential import RunSettings
 
 
 def _grid(arch, tokenizer, windows):
@@ -23,7 +24,7 @@ def _grid(arch, tokenizer, windows):
     model = tiny_model(arch)
     loaded = Loaded(model, tokenizer, get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))
     calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
-    return Grid(f"tiny-{arch}", loaded, calib, progress=False)
+    return Grid(f"tiny-{arch}", loaded, calib, RunSettings(progress=False))
 
 
 def test_grid_shares_dense_statistics_and_resumes(tiny_tokenizer, windows, tmp_path, monkeypatch):
@@ -326,7 +327,7 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     row stale where it changes the result, not where the row's own settings make it inert."""
     import json
 
-    from spap_lib.artifact.grid import effective, ran_with
+    from spap_lib.artifact.cells import effective, ran_with
 
     def recorded(method, hparams, drop):
         return json.dumps({k: v for k, v in sl.get_method(method, **hparams).hparams().items() if k not in drop})
@@ -340,7 +341,7 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     assert ran_with("", effective("spap", {})) and ran_with("{}", effective("dense", {}))
     # The parts (select, allocation, update) arrived as options defaulting to each method's own: a row recorded
     # before them ran its preset, and is stale only for another composition.
-    from spap_lib.artifact.grid import before
+    from spap_lib.artifact.cells import before
 
     old_fasp = json.dumps({"damp": 0.001, "precision": "auto"})
     assert ran_with(old_fasp, effective("fasp", {}), before("fasp"))
@@ -357,7 +358,8 @@ def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
 def test_a_cell_run_under_another_label_with_the_same_settings_is_not_run_again():
     import json
 
-    from spap_lib.artifact.grid import KEY, _done, effective
+    from spap_lib.artifact.cells import KEY, effective
+    from spap_lib.artifact.cells import done as _done
 
     lr = sl.get_method("spap").lr
     cell = {"model": "m", "sparsity": 0.2, "eval_seqlen": 512, "eval_windows": 40, "nsamples": 32, "seqlen": 512,

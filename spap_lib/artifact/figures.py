@@ -57,7 +57,7 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
     old default's row under the current default's name, and the current default's rows under one name."""
     import json
 
-    from spap_lib.artifact.grid import before, effective, ran_with
+    from spap_lib.artifact.cells import before, effective, ran_with
     from spap_lib.methods import get_method
 
     if "resolved_hparams" not in table or not len(table):

@@ -20,102 +20,44 @@ import hashlib
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from spap_lib import api
+from spap_lib.artifact.caches import dense_pass_key, load_dense_pass, save_dense_pass
+from spap_lib.artifact.cells import DENSE, KEY, Eval, Protocols, Variant, done, effective, resolved
 from spap_lib.artifact.manifest import manifest
 from spap_lib.artifact.table import ABLATION, add_rows, read
 from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import Calibration, tokenize, wikitext
 from spap_lib.evaluation.perplexity import perplexity_of_ids
 from spap_lib.files import locked, write_json_atomic
-from spap_lib.methods import Unsupported, get_method, parse_label
+from spap_lib.methods import Unsupported, get_method
 from spap_lib.model.capture import first_layer_inputs
 from spap_lib.model.loading import Loaded
 from spap_lib.pipeline.resume import LayerCheckpoint
 from spap_lib.pipeline.sequential import RunSettings, allocation_inputs, dense_stats
 
-# Columns that identify a cell: a row with the same values is not recomputed.
-KEY = list(ABLATION.key)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """A registered method with hyperparameters; ``label`` names it in tables and figures.
-
-    Labels are ``method`` or ``method/key=value,key=value`` (e.g. ``flap/allocation=uniform``).
-    """
-
-    label: str
-    method: str
-    hparams: dict
-
-    @classmethod
-    def parse(cls, label: str, base: dict | None = None) -> "Variant":
-        method, given = parse_label(label)
-        hparams = {**(base or {}).get(method, {}), **given}
-        get_method(method, **hparams)  # unknown method or hyperparameter: fail before any work
-        return cls(label, method, hparams)
-
-
-@dataclass(frozen=True)
-class Eval:
-    """An extra perplexity protocol for the cells whose label is in ``labels`` (all when empty) and whose
-    sparsity is in ``sparsities`` (all when empty; ``dense`` matches by label alone)."""
-
-    seqlen: int
-    windows: int | None = None  # None: the whole test split
-    labels: tuple[str, ...] = ()
-    sparsities: tuple[float, ...] = ()
-
-    @classmethod
-    def parse(cls, spec: dict, labels: list[str] | None = None, sparsities: list[float] | None = None) -> "Eval":
-        """``spec`` from a config; with ``labels`` / ``sparsities`` (the grid's), the ones it names must be
-        among them (a typo would silently match no cell)."""
-        unknown = set(spec) - {"seqlen", "windows", "labels", "sparsities"}
-        if unknown or "seqlen" not in spec:
-            raise ParameterError(f"bad extra evaluation {spec!r}: expected keys seqlen, windows (null: whole split), "
-                             f"labels, sparsities")
-        from spap_lib.checks import Spec
-
-        Spec(int, ge=2).check("extra_evals seqlen", spec["seqlen"])
-        Spec(int, ge=1, optional=True).check("extra_evals windows", spec.get("windows"))
-        stray = set(spec.get("labels") or ()) - {"dense", *(labels or ())}
-        if labels is not None and stray:
-            raise ParameterError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
-                             f"(its labels: dense, {', '.join(labels)})")
-        odd = [x for x in spec.get("sparsities") or () if sparsities is not None
-               and not any(abs(float(x) - y) < 1e-9 for y in sparsities)]
-        if odd:
-            raise ParameterError(f"extra evaluation {spec!r} names sparsities {odd} that the grid does not run "
-                             f"(its sparsities: {sparsities})")
-        return cls(spec["seqlen"], spec.get("windows"), tuple(spec.get("labels") or ()),
-                   tuple(float(x) for x in spec.get("sparsities") or ()))
-
-    def applies(self, label: str, sparsity: float) -> bool:
-        if self.labels and label not in self.labels:
-            return False
-        return label == "dense" or not self.sparsities or any(abs(sparsity - s) < 1e-9 for s in self.sparsities)
-
 
 class Grid:
-    def __init__(self, model_name: str, loaded: Loaded, calib: Calibration, *, batch_size: int = 1,
-                 chunk: int = 8192, seed: int = 0, progress: bool = True, resume_root: str | Path | None = None):
-        """``resume_root``: each layer-by-layer cell saves its finished layers in a folder below it, so a
-        cell interrupted mid-way (hours on a CPU for SPAP on a 0.5B model) resumes at its next layer."""
+    def __init__(self, model_name: str, loaded: Loaded, calib: Calibration, run: RunSettings = RunSettings(), *,
+                 resume_root: str | Path | None = None, shared: str | Path | None = None):
+        """``run``: batching, seed and progress of every cell. ``resume_root``: each layer-by-layer cell saves its
+        finished layers in a folder below it, so a cell interrupted mid-way (hours on a CPU for SPAP on a 0.5B
+        model) resumes at its next layer. ``shared``: a folder where the dense passes are kept, keyed and checked
+        (``caches.save_dense_pass``), for the other processes of the same grid (``jobs``)."""
         self.model_name, self.loaded, self.calib = model_name, loaded, calib
-        self.batch_size, self.chunk, self.seed, self.progress = batch_size, chunk, seed, progress
+        self.batch_size, self.chunk, self.seed, self.progress = run.batch_size, run.chunk, run.seed, run.progress
         self.resume_root = Path(resume_root) if resume_root is not None else None
+        self.shared = Path(shared) if shared is not None else None
         # Every cell prunes a fresh copy of a pristine model kept in host memory: the device holds the
         # dense model (its perplexity, the layer-0 inputs) and one variant at a time, not three copies.
         self.pristine = loaded.copy(device="cpu")
         self.dense = loaded.model
         layers = loaded.adapter.layers()
-        self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, batch_size, loaded.device)
+        self.inputs = first_layer_inputs(loaded.model, layers, calib.windows, self.batch_size, loaded.device)
         # dense passes shared between cells, with what each took: "" the plain statistics, a variant's label
         # its error curves (the same at every sparsity)
         self._passes: dict[str, tuple[list, float]] = {}
@@ -128,12 +70,29 @@ class Grid:
         per ``key``, ``share`` and ``low``, and their seconds."""
         key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if low else "")
         if key not in self._passes:
-            t0 = time.perf_counter()
-            run = RunSettings(batch_size=self.batch_size, chunk=self.chunk, progress=self.progress)
-            stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size), run=run,
-                                curve=curve, channels=channels, low=low)
-            self._passes[key] = (stats, time.perf_counter() - t0)
+            self._passes[key] = self._stored(key) or self._compute(key, curve, channels, share, low)
         return self._passes[key]
+
+    def _compute(self, key: str, curve, channels: bool, share: float, low: bool) -> tuple[list, float]:
+        t0 = time.perf_counter()
+        run = RunSettings(batch_size=self.batch_size, chunk=self.chunk, progress=self.progress)
+        stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size), run=run,
+                            curve=curve, channels=channels, low=low)
+        seconds = time.perf_counter() - t0
+        if self.shared is not None:
+            save_dense_pass(self._pass_file(key), stats, seconds, self._pass_key(key))
+        return stats, seconds
+
+    def _stored(self, key: str) -> tuple[list, float] | None:
+        if self.shared is None:
+            return None
+        return load_dense_pass(self._pass_file(key), self._pass_key(key), self.loaded.device)
+
+    def _pass_key(self, key: str) -> dict:
+        return dense_pass_key(self.loaded, self.calib, key, self.batch_size, self.chunk)
+
+    def _pass_file(self, key: str) -> Path:
+        return self.shared / f"dense-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
 
     def eval_ids(self) -> tuple[torch.Tensor, str]:
         if self._eval_ids is None:
@@ -147,15 +106,7 @@ class Grid:
     def prune(self, variant: Variant, sparsity: float) -> tuple[Loaded, dict]:
         algo = get_method(variant.method, **variant.hparams)
         pruned = self.fresh()
-        dense = algo.dense_pass(algo.propagates)  # as the pipeline would take the pass
-        if dense is None:
-            stats, seconds = None, 0.0
-        elif dense.curves:  # the curves are the variant's own, the same at every sparsity
-            stats, seconds = self.dense_pass(variant.label, algo.error_curve, share=dense.share, low=dense.bf16)
-        elif dense.channels:
-            stats, seconds = self.dense_pass(share=dense.share, low=dense.bf16)
-        else:  # the angular distances alone: what a prune of this variant pays by itself
-            stats, seconds = self.dense_pass("blocks", channels=False, share=dense.share, low=dense.bf16)
+        stats, seconds = self.pass_for(variant)
         report = api.prune(pruned, self.calib, variant.method, sparsity, hparams=variant.hparams, seed=self.seed,
                            batch_size=self.batch_size, chunk=self.chunk, progress=self.progress, inputs=self.inputs,
                            stats=stats, resume_dir=self.resume_dir(variant, sparsity), clear_resume=False)
@@ -163,6 +114,20 @@ class Grid:
             # the dense pass this cell's widths came from, computed once for the grid: a prune alone pays it
             report["allocation_seconds"] += seconds
         return pruned, report
+
+    def pass_for(self, variant: Variant) -> tuple[list | None, float]:
+        """The dense pass ``variant``'s prune reads, as the pipeline would take it, and its seconds (None, 0: none)."""
+        algo = get_method(variant.method, **variant.hparams)
+        dense = algo.dense_pass(algo.propagates)
+        if dense is None:
+            return None, 0.0
+        if dense.curves:  # the curves are the variant's own, the same at every sparsity
+            own = f"{variant.label} {resolved(variant.method, variant.hparams)}"  # a stored pass: the settings too
+            return self.dense_pass(own, algo.error_curve, share=dense.share, low=dense.bf16)
+        if dense.channels:
+            return self.dense_pass(share=dense.share, low=dense.bf16)
+        # the angular distances alone: what a prune of this variant pays by itself
+        return self.dense_pass("blocks", channels=False, share=dense.share, low=dense.bf16)
 
     def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
         """Where a layer-by-layer cell keeps its finished layers: one folder per model, variant (with a
@@ -212,58 +177,6 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
     }
 
 
-def resolved(method: str, hparams: dict) -> str:
-    """Every hyperparameter the cell ran with, defaults included (``hparams`` holds the overrides only): a
-    row stays exact when a default changes later, and the grid can tell that it is stale."""
-    return "{}" if method == "dense" else json.dumps(get_method(method, **hparams).hparams(), sort_keys=True)
-
-
-def effective(method: str, hparams: dict) -> dict:
-    """The hyperparameters that decide the cell's result (``Method.effective_hparams``)."""
-    return {} if method == "dense" else get_method(method, **hparams).effective_hparams()
-
-
-def before(method: str) -> dict:
-    """What a row of ``method`` recorded before an option of ``Method.introduced`` existed ran with: its
-    default (such options were added with the earlier behaviour as their default)."""
-    if method == "dense":
-        return {}
-    algo = get_method(method)
-    defaults = algo.hparams()
-    return {k: defaults[k] for k in algo.introduced if k in defaults}
-
-
-def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool:
-    """A row ran with ``effective``: each of them recorded with the same value (keys the row records
-    beyond them are inert now), or not recorded and ``absent`` (``before``) says what it ran. Rows written
-    before the column existed record nothing and count."""
-    if not recorded:
-        return True
-    ran = {**(absent or {}), **json.loads(recorded)}
-    return all(k in ran and ran[k] == v for k, v in effective.items())
-
-
-def _done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
-    """A row of ``row``'s cell and protocol ran with the ``current`` effective hyperparameters: the row of
-    ``row``'s key, or another label's row of the same method that recorded the same settings (``spap/lr=0.01``
-    once 1e-2 is the default). A row whose recorded settings differ (a default changed since) is stale: the
-    cell runs again and replaces it."""
-    if table.empty:
-        return False
-    cell = pd.Series(True, index=table.index)
-    for k in KEY:
-        if k not in ("label", "hparams"):
-            cell &= table[k].astype(str) == str(row[k])
-    same_key = cell & (table["label"].astype(str) == row["label"]) & (table["hparams"].astype(str) == row["hparams"])
-    if "resolved_hparams" not in table:
-        return bool(same_key.any())
-    recorded = table["resolved_hparams"].fillna("").astype(str)
-    absent = before(method)
-    ran_these = recorded.map(lambda r: ran_with(r, current, absent))
-    same_settings = cell & (table["method"].astype(str) == method) & (recorded != "") & ran_these
-    return bool((same_key & ran_these).any() or same_settings.any())
-
-
 def check_grid(sparsities: list, eval_seqlens: list, results_csv: str | Path, figure: str | Path | None = None) -> None:
     """What a grid run is asked for, before any model is loaded: sparsities and evaluation lengths (non-empty,
     in range), a results table that is a file and reads whole (``table.read``), a figure format matplotlib
@@ -290,57 +203,65 @@ def check_grid(sparsities: list, eval_seqlens: list, results_csv: str | Path, fi
                                  f"files; end the name with one of .{', .'.join(sorted(formats))}")
 
 
+def _todo(grid: Grid, table: pd.DataFrame, v: Variant, sparsity: float, protocols: Protocols,
+          resume: bool) -> list[tuple[int, int | None]]:
+    """The protocols of a cell the table holds no current row of (all of them without ``resume``)."""
+    calib, current = grid.calib.describe(), effective(v.method, v.hparams)
+
+    def probe(seqlen, windows):
+        return {"model": grid.model_name, "label": v.label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
+                "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
+                "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(v.hparams, sort_keys=True)}
+
+    return [p for p in protocols.of(v.label, sparsity) if not (resume and done(table, probe(*p), v.method, current))]
+
+
+def run_dense(grid: Grid, protocols: Protocols, results_csv: str | Path, resume: bool = True) -> None:
+    """The dense reference's rows, those not in the table yet."""
+    table = read(results_csv, ABLATION, keep_default_na=False)
+    todo = _todo(grid, table, DENSE, 0.0, protocols, resume)
+    if todo:
+        add_rows(results_csv, [_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, w), w)
+                               for s, w in todo], KEY, ABLATION)
+
+
+def run_cell(grid: Grid, v: Variant, sparsity: float, protocols: Protocols, results_csv: str | Path,
+             resume: bool = True) -> None:
+    """One cell: prune ``v`` at ``sparsity`` and add a row per protocol the table lacks. Rows are added under the
+    table's lock (``table.add_rows``), so cells run by other processes keep theirs."""
+    todo = _todo(grid, read(results_csv, ABLATION, keep_default_na=False), v, sparsity, protocols, resume)
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    try:
+        pruned, report = grid.prune(v, sparsity)
+    except Unsupported as err:  # refused before any work: say so, keep the grid going
+        print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
+        return
+    for s, w in todo:  # row by row: a long evaluation interrupted keeps the rows already scored
+        ppl = grid.perplexity(pruned.model, s, w)
+        add_rows(results_csv, [_row(grid, v.label, v.method, v.hparams, sparsity, report, ppl, w)], KEY, ABLATION)
+    layers_dir = grid.resume_dir(v, sparsity)
+    if layers_dir is not None:  # the rows are written: the cell's finished layers are not needed any more
+        LayerCheckpoint(layers_dir, {}).clear()
+    if grid.progress:
+        print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {ppl['ppl']:.2f} ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
+
+
 def run_grid(grid: Grid, variants: list[Variant], sparsities: list[float], eval_seqlens: list[int],
              eval_windows: int | None, results_csv: str | Path, resume: bool = True,
              extra_evals: list[Eval] = ()) -> pd.DataFrame:
-    """Every variant × sparsity on one model (plus the dense reference), one row per evaluation protocol:
-    each of ``eval_seqlens`` on ``eval_windows`` windows, plus the ``extra_evals`` that apply to the cell."""
-    path = Path(results_csv)
-    # Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours.
-    table = read(path, ABLATION, keep_default_na=False)  # a damaged table: refused before any cell runs
-
-    def add(rows: list[dict]) -> None:
-        nonlocal table
-        table = add_rows(path, rows, KEY, ABLATION)  # re-read: another grid may write it too
-
-    def probe(label, hparams, sparsity, seqlen, windows):
-        calib = grid.calib.describe()
-        return {"model": grid.model_name, "label": label, "sparsity": float(sparsity), "eval_seqlen": seqlen,
-                "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
-                "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(hparams, sort_keys=True)}
-
-    def _todo(label, method, hparams, sparsity) -> list[tuple[int, int | None]]:
-        protocols = [(s, eval_windows) for s in eval_seqlens]
-        protocols += [(e.seqlen, e.windows) for e in extra_evals if e.applies(label, sparsity)]
-        current = effective(method, hparams)
-        return [p for p in dict.fromkeys(protocols)
-                if not (resume and _done(table, probe(label, hparams, sparsity, *p), method, current))]
-
-    todo = _todo("dense", "dense", {}, 0.0)
-    if todo:
-        add([_row(grid, "dense", "dense", {}, 0.0, None, grid.perplexity(grid.dense, s, w), w) for s, w in todo])
+    """Every variant × sparsity on one model (plus the dense reference), one cell after another, one row per
+    evaluation protocol: each of ``eval_seqlens`` on ``eval_windows`` windows, plus the ``extra_evals`` that apply
+    to the cell. Other models' and cells' rows always stay; ``resume=False`` only recomputes (and replaces) ours."""
+    read(results_csv, ABLATION)  # a damaged table: refused before any cell runs
+    protocols = Protocols(tuple(eval_seqlens), eval_windows, tuple(extra_evals))
+    run_dense(grid, protocols, results_csv, resume)
     for sparsity in sparsities:
         for v in variants:
-            todo = _todo(v.label, v.method, v.hparams, sparsity)
-            if not todo:
-                continue
-            t0 = time.perf_counter()
-            try:
-                pruned, report = grid.prune(v, sparsity)
-            except Unsupported as err:  # refused before any work: say so, keep the grid going
-                print(f"{grid.model_name} {v.label}: skipped, {err}", flush=True)
-                continue
-            for s, w in todo:  # row by row: a long evaluation interrupted keeps the rows already scored
-                ppl = grid.perplexity(pruned.model, s, w)
-                add([_row(grid, v.label, v.method, v.hparams, sparsity, report, ppl, w)])
-            layers_dir = grid.resume_dir(v, sparsity)
-            if layers_dir is not None:  # the rows are written: the cell's finished layers are not needed any more
-                LayerCheckpoint(layers_dir, {}).clear()
-            if grid.progress:
-                print(f"{grid.model_name} {v.label} @ {sparsity}: ppl {table.iloc[-1]['ppl']:.2f} "
-                      f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            del pruned
-    return read(path, ABLATION)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
+            run_cell(grid, v, sparsity, protocols, results_csv, resume)
+    return read(results_csv, ABLATION)  # parsed once by pandas' defaults (empty fields NaN), whoever wrote which row
 
 
 def record_run(results_csv: str | Path, **fields) -> Path:
