@@ -82,6 +82,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this (as spap prune)")
     p.add_argument("--world-size", type=int, default=1, help="ranks of a torchrun prune: one rank's memory and "
                    "time (its share of the windows), and the all-reduce traffic")
+    p.add_argument("--link", choices=("nvlink", "ethernet"), default=None, help="the ranks' link, whose rate prices "
+                   "the all-reduce in the plan's time (default: nvlink for a GPU, ethernet for a CPU)")
     _eval_args(p)
 
     p = sub.add_parser("eval", help="WikiText-2 perplexity of a model or checkpoint")
@@ -179,13 +181,15 @@ def _plan(a) -> str:
              round_to=a.round_to, config=config)
     if a.world_size == 1:
         return p.table()
-    from spap_lib.pipeline.distributed import allreduce_lines
+    from spap_lib.pipeline.distributed import LINKS, allreduce_lines, allreduce_seconds
     from spap_lib.plan import layer_shapes
 
     head = f"world size {a.world_size}: one rank's plan, {per_rank} of {a.nsamples} windows (the decoder layer is " \
            "replicated; the perplexity's windows are shared too)"
-    shapes = layer_shapes(config, a.sparsity, a.round_to)
-    return "\n".join([head, p.table(), *allreduce_lines(get_method(a.method), shapes, (a.world_size,))])
+    method, shapes = get_method(a.method), layer_shapes(config, a.sparsity, a.round_to)
+    link = a.link or ("ethernet" if p.device.startswith("cpu") else "nvlink")
+    p.seconds[f"all-reduce, {LINKS[link][0]}"] = allreduce_seconds(method, shapes, a.world_size, link)
+    return "\n".join([head, p.table(), *allreduce_lines(method, shapes, a.world_size)])
 
 
 def _eval(a) -> dict:

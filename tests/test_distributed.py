@@ -120,6 +120,12 @@ def test_whole_model_method_is_refused(checkpoint, tmp_path):
     assert run.returncode != 0 and "prunes the whole model at once, in one process" in run.stderr
 
 
+def _plan_minutes(main, capsys, *args: str) -> float:
+    assert main(["plan", "llama-3.1-8b", "--device", "h100", "--world-size", "4", *args]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  time "))
+    return float(line.split()[1])
+
+
 def test_plan_prices_one_rank_and_the_all_reduce(capsys):
     from spap_lib.cli import main
     from spap_lib.methods import get_method
@@ -128,6 +134,9 @@ def test_plan_prices_one_rank_and_the_all_reduce(capsys):
     assert main(["plan", "llama-3.1-8b", "--device", "h100", "--world-size", "4"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("world size 4: one rank's plan, 32 of 128 windows")
+    assert "    all-reduce, NVLink " in out  # a step of the plan's time, at the default link of a GPU
+    ethernet = _plan_minutes(main, capsys, "--link", "ethernet")
+    assert ethernet > _plan_minutes(main, capsys)  # 8B SPAP's Adam gradients: slower over Ethernet
     shapes = {"hidden": 4096, "width": 14336, "kept": 11469, "in_proj": 2, "layers": 32}
     # the dense Gram matrix, then 10 rounds of a kept Gram matrix, Y Zᵀ and 10 Adam steps' gate and up gradients
     rounds = 10 * (11470 ** 2 + 4096 * 11470 + 10 * 2 * 11469 * 4096)
@@ -135,3 +144,64 @@ def test_plan_prices_one_rank_and_the_all_reduce(capsys):
     assert reduced_bytes(get_method("fasp"), shapes) == 4 * 14337 ** 2
     assert main(["plan", "llama-3.1-8b", "--world-size", "129"]) == 2
     assert "--world-size 129: give 1 to --nsamples (128) ranks" in capsys.readouterr().err
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of ``torchrun``'s worker of ``rank`` (its environment says RANK), or None before it started."""
+    for task in Path(f"/proc/{launcher.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(pid)
+    return None
+
+
+def _killed_in_layer_1(cmd: list[str], resume: Path) -> tuple[subprocess.Popen, float]:
+    """Start the two-rank run and SIGKILL rank 1 as soon as layer 0 is committed; the launcher and the kill time."""
+    import signal
+    import time
+
+    launcher = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and launcher.poll() is None:
+        state = resume / "state.json"
+        if state.exists() and json.loads(state.read_text())["next"] >= 1:
+            os.kill(_rank_pid(launcher, 1), signal.SIGKILL)
+            return launcher, time.monotonic()
+        time.sleep(0.02)
+    launcher.kill()
+    pytest.fail("layer 0 was never committed: " + launcher.communicate()[1][-2000:])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank's process through /proc")
+def test_a_killed_rank_fails_the_run_and_the_next_run_resumes(checkpoint, tmp_path):
+    """Rank 1 killed in layer 1: the run fails within a bounded time on rank 0 too, nothing is installed, and the
+    same command resumes at the committed layer with the kept channels and weights of an uninterrupted run."""
+    import time
+
+    args = ("--method", "spap", "--resume-dir", str(tmp_path / "resume"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()),
+           "-m", "spap_lib.cli", "prune", str(checkpoint), "--out", str(tmp_path / "two"), *ARGS, *args]
+    launcher, killed = _killed_in_layer_1(cmd, tmp_path / "resume")
+    err = launcher.communicate(timeout=120)[1]
+    assert launcher.returncode != 0 and time.monotonic() - killed < 60
+    # rank 0's one line: its collective failed first, or torchrun stopped it first (a race either may win)
+    assert ("rank 0: another rank of this run stopped" in err
+            or "rank 0: stopped by torchrun because another rank failed" in err), err[-2000:]
+    assert not (tmp_path / "two").exists()  # nothing installed
+    committed = json.loads((tmp_path / "resume" / "state.json").read_text())["next"]
+    assert committed >= 1
+
+    run = _ranks(checkpoint, tmp_path / "two", *args)  # the same command again
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert _ranks(checkpoint, tmp_path / "whole", "--method", "spap").returncode == 0
+    manifest = json.loads((tmp_path / "two" / "spap_manifest.json").read_text())
+    assert manifest["resumed_at_layer"] == committed
+    plans = [json.loads((tmp_path / d / "spap_plan.json").read_text())["kept_channels"] for d in ("two", "whole")]
+    assert plans[0] == plans[1]
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("two", "whole"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), k

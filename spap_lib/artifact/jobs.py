@@ -50,15 +50,15 @@ class GridJobs:
         """The grid in this process: the model, the shared windows, layer checkpoints under ``run_dir/progress``."""
         import torch
 
-        import spap_lib as sl
         from spap_lib.artifact.caches import get_calibration
+        from spap_lib.model.loading import load
 
         if self.threads:
             torch.set_num_threads(self.threads)
         device = self.device
         if device in ("auto", "cuda") and torch.cuda.device_count() > 1:  # local workers: one GPU each
             device = f"cuda:{slot % torch.cuda.device_count()}"
-        loaded = sl.load(self.model, device=device)
+        loaded = load(self.model, device=device)
         nsamples, seqlen, seed = self.calibration
         calib = get_calibration(loaded, nsamples, seqlen, seed, cache=self.shared() / "calibration.pt")
         return Grid(self.model, loaded, calib, RunSettings(seed=seed, progress=False),

@@ -102,7 +102,7 @@ def record(nsamples: int) -> dict:
 
 # Link rates for the all-reduce estimate, GB/s per direction, as the links' specifications give them
 # (docs/distributed.md: Where it pays).
-LINKS = {"NVLink (450 GB/s)": 450.0, "100 Gb/s Ethernet (12.5 GB/s)": 12.5}
+LINKS = {"nvlink": ("NVLink", 450.0), "ethernet": ("100 Gb/s Ethernet", 12.5)}
 
 
 def reduced_bytes(method, shapes: dict, bytes_per: int = 4) -> int:
@@ -115,13 +115,17 @@ def reduced_bytes(method, shapes: dict, bytes_per: int = 4) -> int:
     return bytes_per * ((n + 1) ** 2 + rounds * per_round)
 
 
-def allreduce_lines(method, shapes: dict, sizes: tuple[int, ...]) -> list[str]:
-    """The plan's lines for ``--world-size``: per layer, the bytes a ring all-reduce moves per rank,
-    ``2·(K−1)/K`` times the bytes summed, and the whole prune's time for it at each of ``LINKS``."""
+def allreduce_seconds(method, shapes: dict, k: int, link: str) -> float:
+    """The whole prune's all-reduce time over ``link`` (a key of ``LINKS``): a ring all-reduce moves
+    ``2·(K−1)/K`` times the bytes summed per rank per layer."""
+    return 2 * (k - 1) / k * reduced_bytes(method, shapes) / (LINKS[link][1] * 1e9) * shapes["layers"]
+
+
+def allreduce_lines(method, shapes: dict, k: int) -> list[str]:
+    """The plan's lines for ``--world-size``: per layer, the bytes summed and moved per rank, and the whole
+    prune's all-reduce time at each of ``LINKS``."""
     summed, layers = reduced_bytes(method, shapes), shapes["layers"]
-    lines = [f"all-reduce per layer: {summed / 1e6:.1f} MB summed (float32), {layers} layers"]
-    for k in sizes:
-        moved = 2 * (k - 1) / k * summed
-        times = ", ".join(f"{moved / (rate * 1e9) * layers:.1f} s at {name}" for name, rate in LINKS.items())
-        lines.append(f"  K={k}: {moved / 1e6:.1f} MB per rank per layer; whole prune {times}")
-    return lines
+    times = ", ".join(f"{allreduce_seconds(method, shapes, k, link):.1f} s over {name} ({rate:g} GB/s)"
+                      for link, (name, rate) in LINKS.items())
+    return [f"all-reduce per layer: {summed / 1e6:.1f} MB summed (float32), {2 * (k - 1) / k * summed / 1e6:.1f} MB "
+            f"moved per rank, {layers} layers; whole prune {times}"]
