@@ -15,6 +15,12 @@ model in each mode, in seconds rather than a prune's minutes.
 ``--random`` saves a checkpoint of a shipped config's shapes with random weights (``--layers`` decoder
 layers; bench/.cache, once) and calibrates on random tokens: memory and time of paper-size layers
 where the real weights cannot be had (no hub); perplexity is then meaningless and not reported.
+``--random --like GGUF`` writes those random weights as a GGUF instead, with the metadata (vocabulary,
+tokenizer) of a real GGUF file or alias: the run then loads, tokenizes, calibrates on WikiText-2, evaluates
+and saves as a real GGUF source makes it, at the shapes of ``--model``:
+
+    python bench/offload.py --model qwen2.5-1.5b --random --layers 28 --like qwen2.5-coder-0.5b --modes disk \
+        --method fasp --nsamples 16 --seqlen 512 --eval-windows 2 --device cpu
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from common import random_calibration, random_checkpoint  # bench/, the script's own folder
+from common import random_calibration, random_checkpoint, random_gguf  # bench/, the script's own folder
 
 import spap_lib as sl
 from spap_lib.artifact.figures import markdown_table
@@ -47,27 +53,29 @@ def one(args) -> dict:
     hparams = json.loads(args.hparams)
     row_name, memory_gb = local_device(device)
     t0 = time.perf_counter()
-    source = str(random_checkpoint(args.model, args.layers, device)) if args.random else args.model
-    evaluated = dict(eval_seqlen=2, eval_windows=1) if args.random else \
+    source = random_source(args, device)
+    tokens = args.random and not args.like  # random tokens: no tokenizer of the model's own
+    evaluated = dict(eval_seqlen=2, eval_windows=1) if tokens else \
         dict(eval_seqlen=args.eval_seqlen, eval_windows=args.eval_windows)  # random weights: no perplexity
     p = plan(source, method=args.method, hparams=hparams, nsamples=args.nsamples, seqlen=args.seqlen,
              device=row_name, offload=args.offload, **evaluated)
     spill = tempfile.mkdtemp(prefix="spap-bench-")
     loaded = sl.load(source, device=args.device, offload=args.offload, spill_dir=spill)
-    if args.random:
+    if tokens:
         calib = random_calibration(loaded.model.config.vocab_size, args.nsamples, args.seqlen, seed=0)
     else:
         calib = sl.calibration_windows(loaded.tokenizer, args.nsamples, args.seqlen, 0)
     t_load = time.perf_counter() - t0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    result = {"model": args.model + (f" (random weights, {args.layers} layers)" if args.random else ""),
+    like = f", the metadata of {args.like}" if args.like else ""
+    result = {"model": args.model + (f" (random weights, {args.layers} layers{like})" if args.random else ""),
               "offload": args.offload, "method": args.method, "hparams": json.dumps(hparams),
               "calibration": f"{args.nsamples} x {args.seqlen}", "device": device_name(device),
               "load s": round(t_load, 1), "peak host GB after load": round(process_peak_rss_mb() / 1024, 3)}
     if args.load_only:
         return result
-    if not args.random:
+    if not tokens:
         t = time.perf_counter()
         dense = sl.perplexity(loaded.model, loaded.tokenizer, args.eval_seqlen, args.eval_windows, progress=False,
                               onloader=loaded.onloader)
@@ -75,7 +83,7 @@ def one(args) -> dict:
     report = sl.prune(loaded, calib, args.method, args.sparsity, hparams=hparams, progress=False)
     result["prune s"] = round(report["seconds"], 1)
     result["kept hash"] = hashlib.sha256(json.dumps(report["kept_channels"]).encode()).hexdigest()[:12]
-    if not args.random:
+    if not tokens:
         t = time.perf_counter()
         pruned = sl.perplexity(loaded.model, loaded.tokenizer, args.eval_seqlen, args.eval_windows, progress=False,
                                onloader=loaded.onloader)
@@ -94,6 +102,15 @@ def one(args) -> dict:
     return result
 
 
+def random_source(args, device: torch.device) -> str:
+    """The model ``one`` loads: ``--model`` itself, or its random-weight checkpoint or GGUF (written once)."""
+    if not args.random:
+        return args.model
+    if args.like:
+        return str(random_gguf(args.model, args.layers, args.like))
+    return str(random_checkpoint(args.model, args.layers, device))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -109,6 +126,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--random", action="store_true", help="random weights from the shipped config (no download)")
     ap.add_argument("--layers", type=int, default=2, help="with --random: decoder layers to build")
+    ap.add_argument("--like", help="with --random: write a GGUF with this real GGUF's metadata (alias or path)")
     ap.add_argument("--load-only", action="store_true", help="stop after loading: the host peak of reading the model")
     ap.add_argument("--out", default="bench/results/offload.csv")
     args = ap.parse_args(argv)
@@ -116,7 +134,7 @@ def main(argv=None) -> None:
         print(json.dumps(one(args)), flush=True)
         return
     if args.random:  # written once, before the children measure their own peaks
-        random_checkpoint(args.model, args.layers, sl.model.loading.pick_device(args.device))
+        random_source(args, sl.model.loading.pick_device(args.device))
     command = " ".join(["python", "bench/offload.py", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.out)
     table = pd.read_csv(out) if out.is_file() else pd.DataFrame()

@@ -27,9 +27,10 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
 Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``)
 plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
 they stream and ``Method.host_set``; or
-(``disk``) the embeddings/head, one layer and one batch of hidden states (the rest waits in spill
-files). Plus the runtime (``RUNTIME_BYTES``; with CUDA, its host side: ``CUDA_RUNTIME_BYTES``). On a CPU row
-device and host are one memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
+(``disk``) the embeddings/head (input embeddings apart from the head stay in the files, read a batch's rows at
+a time), one layer and one batch of hidden states (the rest waits in spill files). Plus the runtime
+(``RUNTIME_BYTES``; with CUDA, its host side: ``CUDA_RUNTIME_BYTES``). On a CPU row device and host are one
+memory, so ``cpu`` offload saves nothing there and ``disk`` is what shrinks it.
 
 Time: floating-point operations of each stage (a method's own stages from ``Method.cost``) divided by a
 throughput table (``throughput.json``: rates measured by ``bench/throughput.py`` on one large product or

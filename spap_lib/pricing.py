@@ -126,7 +126,9 @@ def price_memory(job: Job, offload: str, lay: _Layout) -> tuple[dict, float, flo
     span = min(LOSS_CHUNK, job.eval_seqlen)
     memory["evaluation logits"] = (job.eval_seqlen if lay.resident else span) * V * b + span * V * 8
     calib_peak = memory["weights"] + working_share(memory)
-    peak_device = max(calib_peak, (memory["weights"] if lay.resident else lay.base_bytes) + memory["evaluation logits"])
+    # streamed from disk, input embeddings that are not the head stay in the files (``offload.EmbeddingRows``)
+    base = lay.base_bytes - (V * d * b if offload == "disk" and not c["tied"] else 0)
+    peak_device = max(calib_peak, (memory["weights"] if lay.resident else base) + memory["evaluation logits"])
     # Host: what waits there. Resident on a GPU, from_pretrained reads the checkpoint into host memory first.
     hidden = 2 * N * d * b  # layer inputs and outputs between layers
     eval_hidden = (job.eval_windows or WIKITEXT2_TEST_TOKENS // job.eval_seqlen) * job.eval_seqlen * d * b
@@ -138,9 +140,9 @@ def price_memory(job: Job, offload: str, lay: _Layout) -> tuple[dict, float, flo
         peak_host = c["total"] * b + N * 8 + runtime + on_host
     elif offload == "cpu":
         peak_host = c["total"] * b + max(hidden, eval_hidden) + N * 8 + runtime + on_host
-    else:  # disk: the head, one layer, one batch of hidden states (the rest in spill files), X and Y; on a CPU
-        # the device terms are host memory too
-        peak_host = lay.base_bytes + lay.layer_bytes + max(job.batch_size, 1) * job.seqlen * d * b * 2 + N * 8 + \
+    else:  # disk: the rest of the base, one layer, one batch of hidden states (the rest in spill files), X and Y;
+        # on a CPU the device terms are host memory too
+        peak_host = base + lay.layer_bytes + max(job.batch_size, 1) * job.seqlen * d * b * 2 + N * 8 + \
             runtime + on_host
         if not lay.gpu:
             peak_host = peak_device = peak_host + max(calib_peak - memory["weights"], memory["evaluation logits"])

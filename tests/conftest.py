@@ -31,6 +31,18 @@ def _configs():
 ARCHS = ["opt", "llama", "qwen2", "gemma3"]
 
 
+def char_tokenizer():
+    """A tokenizer that splits text into characters: WikiText-2's windows give varied activations (a word-level
+    tokenizer of a few words maps it all to one unknown token, and the Gram matrices to rank one)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(33, 127)] + [" ", "\n"]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
 def tiny_model(arch: str, seed: int = 0):
     from transformers import AutoModelForCausalLM
 

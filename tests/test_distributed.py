@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import char_tokenizer, tiny_model
 from safetensors.torch import load_file
 
 ARGS = ["--nsamples", "4", "--seqlen", "32", "--no-eval", "--device", "cpu"]
@@ -24,17 +24,10 @@ ARGS = ["--nsamples", "4", "--seqlen", "32", "--no-eval", "--device", "cpu"]
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A tiny llama whose tokenizer splits text into characters: WikiText-2's windows give varied activations
-    (a word-level tokenizer of a few words maps it all to one unknown token, and the Gram matrices to rank one)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(33, 127)] + [" ", "\n"]
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    """A tiny llama with a character tokenizer (``conftest.char_tokenizer``)."""
     path = tmp_path_factory.mktemp("dp") / "tiny"
     tiny_model("llama").save_pretrained(path)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return path
 
 

@@ -23,6 +23,10 @@ def test_gguf_streams_tensor_by_tensor_to_the_same_weights(tmp_path):
     assert names <= store.names() | {"lm_head.weight"}  # SmolLM2 ties its head to the embedding
     for name, param in dense.model.named_parameters():
         assert torch.equal(store.get(name, torch.float32), param.detach()), name
+    # an embedding's rows read alone (EmbeddingRows, for a model whose head is apart) are the same rows
+    embedding = dense.model.get_input_embeddings().weight.detach()
+    ids = torch.tensor([0, 7, 4095, 4096, 30000, embedding.shape[0] - 1])
+    assert torch.equal(store.rows("model.embed_tokens.weight", ids, torch.float32), embedding[ids])
 
 
 @pytest.mark.slow
@@ -88,3 +92,28 @@ def test_a_gguf_read_once_loads_as_the_same_model_from_its_conversion(tmp_path, 
     with pytest.warns(UserWarning, match="does not load"):
         assert converted.load_converted(folder, torch.float32, gguf) is None
     assert not folder.exists() and converted.folder(gguf) is None
+
+
+@pytest.mark.slow
+def test_a_gguf_tokenizer_splits_text_as_its_model_does():
+    """SmolLM2's GGUF names its pre-tokenizer ``smollm`` (digits one by one, then the byte-level split), which
+    transformers' build leaves out; ``with_own_pre_tokenizer`` splits as the model's own, over the whole WikiText-2
+    test text."""
+    import copy
+
+    from gguf import GGUFReader
+    from transformers import AutoTokenizer
+
+    from spap_lib.model.gguf_tokenizer import gguf_string, with_own_pre_tokenizer
+
+    source = sl.resolve("smollm2-135m")
+    path = f"{source.path}/{source.gguf_file}"
+    assert gguf_string(path, "tokenizer.ggml.pre") == GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
+    theirs = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    ours = with_own_pre_tokenizer(copy.deepcopy(theirs), source)
+    assert theirs.tokenize("a  1") == ["a", "Ġ", "Ġ", "1"] and ours.tokenize("a  1") == ["a", "ĠĠ", "1"]
+    text = sl.wikitext("test").text
+    ids = ours(text).input_ids
+    assert ours.decode(ids) == text and ids != theirs(text).input_ids
+    pieces = ours.convert_ids_to_tokens(ids)
+    assert all(len(p.lstrip("Ġ")) == 1 for p in pieces if p.lstrip("Ġ").isdigit())  # every digit alone

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from spap_lib.artifact.portable import SUPPORTED
 from spap_lib.model.sources import HUB_ALIASES
 
 CARD = "README.md"
@@ -115,7 +116,8 @@ def _loading(f: dict) -> list[str]:
     if uniform:
         how = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",
-               "Every layer keeps the same width: stock `transformers` loads it, and llama.cpp's "
+               f"Every layer keeps the same width: stock `transformers` {SUPPORTED} loads it (the config carries "
+               "`rope_theta` beside `rope_parameters` for the 4.x line), and llama.cpp's "
                "`convert_hf_to_gguf.py` converts it to GGUF (`spap_lib.artifact.llamacpp.to_gguf`, then "
                "`quantize`; what it gains there: spap's docs/llamacpp.md)."]
     else:

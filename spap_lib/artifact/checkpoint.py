@@ -22,7 +22,7 @@ from spap_lib.files import write_json_atomic, write_text_atomic
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.formats import format_of_report
 from spap_lib.model.loading import Loaded, context_length, load_saved
-from spap_lib.model.offload import write_checkpoint_weights
+from spap_lib.model.offload import first_device, write_checkpoint_weights
 from spap_lib.model.sources import ModelSource
 from spap_lib.numerics.linalg import nonfinite_parameters
 
@@ -39,7 +39,7 @@ def _sample(model, tokens: int = 32) -> torch.Tensor:
     vocab = model.get_input_embeddings().num_embeddings
     tokens = min(tokens, context_length(model.config) or tokens)
     gen = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab, (1, tokens), generator=gen).to(next(model.parameters()).device)
+    return torch.randint(0, vocab, (1, tokens), generator=gen).to(first_device(model))
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from spap_lib.artifact.portable import make_portable
 from spap_lib.errors import OutputError, option, option_name
 from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic, write_text_atomic
 from spap_lib.keys import folder_digests
@@ -192,6 +193,7 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
     with atomic_dir(out_dir) as tmp:
         write(tmp)
         tokenizer.save_pretrained(tmp)
+        make_portable(tmp)  # the fields older transformers read, beside the new ones
         for name, obj in (extra_files or {}).items():  # text as it is (the model card), anything else as JSON
             (write_text_atomic if isinstance(obj, str) else write_json_atomic)(tmp / name, obj)
         checks = check(tmp) if check else {}

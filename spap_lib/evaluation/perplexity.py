@@ -15,6 +15,7 @@ from spap_lib.errors import ParameterError
 from spap_lib.evaluation.data import tokenize, wikitext
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.loading import context_length
+from spap_lib.model.offload import first_device
 from spap_lib.numerics.collective import all_sum_, world
 from spap_lib.numerics.linalg import NumericalError
 
@@ -54,7 +55,7 @@ def perplexity_of_ids(model, ids: torch.Tensor, seqlen: int, max_windows: int | 
         windows = ids[:n * seqlen].reshape(n, seqlen)[mine]
         streamed_logits(model, onloader, windows, lambda k, s, logits: add(mine[k], s, logits), spans=spans)
     else:
-        device = device or next(model.parameters()).device
+        device = device or first_device(model)
         for i in tqdm(mine, desc=f"ppl@{seqlen}", disable=not progress or w.rank > 0):
             logits = model(input_ids=ids[i * seqlen:(i + 1) * seqlen].unsqueeze(0).to(device), use_cache=False).logits
             for s, e in spans:

@@ -107,7 +107,8 @@ class Onloader:
 
     def _base_names(self):
         inside = self.prefix + "."
-        params = [n for n, _ in self.model.named_parameters() if not n.startswith(inside)]
+        # a meta tensor is an embedding left in the store (``EmbeddingRows``): its rows go where its input is
+        params = [n for n, p in self.model.named_parameters() if not n.startswith(inside) and not p.is_meta]
         buffers = [n for n, _ in self.model.named_buffers() if not n.startswith(inside)]
         return params + buffers
 
@@ -255,11 +256,19 @@ class SpilledActivations:
             data, offset = data[written:], offset + written
 
 
+def first_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter that holds data: input embeddings left in the store
+    (``EmbeddingRows``) are a meta tensor between forwards."""
+    return next(p.device for p in model.parameters() if not p.is_meta)
+
+
 def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -> None:
-    """Read every tensor outside the decoder layers from ``store`` into host memory (tied weights once)."""
+    """Read every tensor outside the decoder layers from ``store`` into host memory (tied weights once), but for
+    input embeddings that are not the head: those stay in the store, read a batch's rows at a time
+    (``EmbeddingRows``)."""
     from accelerate.utils import set_module_tensor_to_device
 
-    head = model.get_output_embeddings()
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     for name, param in model.named_parameters():
         if name.startswith(onloader.prefix + "."):
@@ -269,9 +278,36 @@ def load_base(model: nn.Module, onloader: Onloader, store, dtype: torch.dtype) -
         if name not in store:
             raise ParameterError(f"{name} is missing from the model files ({store.describe()}): "
                                  "the checkpoint does not match its config")
+        if param is embedding.weight and isinstance(embedding, nn.Embedding) and not tied:
+            EmbeddingRows(embedding, store, name, dtype)
+            continue
         set_module_tensor_to_device(model, name, "cpu", value=store.get(name, dtype))
     model.tie_weights()
     release_freed()  # the dequantization temporaries of a large vocabulary's embeddings (docs/scale.md: Same answer)
+
+
+class EmbeddingRows:
+    """Input embeddings left in the store: each forward reads only the rows of its batch's distinct tokens and
+    looks the batch up in them, the same values as a lookup in the whole matrix. Between forwards the weight is
+    the skeleton's meta tensor (its shape counts the parameters; nothing else may read it)."""
+
+    def __init__(self, module: nn.Embedding, store, name: str, dtype: torch.dtype):
+        self.store, self.name, self.dtype = store, name, dtype
+        self.placeholder, self.padding_idx = module.weight, module.padding_idx
+        module.register_forward_pre_hook(self.read)
+        module.register_forward_hook(self.drop)
+        module.spap_rows = self  # write_checkpoint_weights reads the whole matrix back from the store
+
+    def read(self, module: nn.Embedding, args: tuple) -> tuple:
+        ids = args[0]
+        distinct, where = torch.unique(ids, return_inverse=True)
+        rows = self.store.rows(self.name, distinct.cpu(), self.dtype).to(ids.device)
+        module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+        module.padding_idx = None  # an index into the whole vocabulary; only gradients read it
+        return (where, *args[1:])
+
+    def drop(self, module: nn.Embedding, args: tuple, output: torch.Tensor) -> None:
+        module._parameters["weight"], module.padding_idx = self.placeholder, self.padding_idx
 
 
 def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path) -> None:
@@ -282,12 +318,19 @@ def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Pa
     folder = Path(folder)
     weight_map, total = {}, 0
     # named_parameters() lists a tied head once (under the embedding's name), as save_pretrained writes it.
+    rows = getattr(model.get_input_embeddings(), "spap_rows", None)  # embeddings left in the store
     base = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()
-            if not name.startswith(onloader.prefix + ".")}
-    shard = "model-base.safetensors"
-    save_file(base, str(folder / shard), metadata={"format": "pt"})
-    for name, t in base.items():
-        weight_map[name], total = shard, total + t.numel() * t.element_size()
+            if not name.startswith(onloader.prefix + ".") and not p.is_meta}
+
+    def shard(file: str, tensors: dict) -> None:
+        save_file(tensors, str(folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        nonlocal total
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+
+    shard("model-base.safetensors", base)
+    if rows is not None:  # a shard of their own, read as it is written: never beside the rest
+        shard("model-embeddings.safetensors", {rows.name: rows.store.get(rows.name, rows.dtype)})
     for i in range(len(onloader.layers)):
         spilled = onloader.spilled(i)
         if spilled is None:

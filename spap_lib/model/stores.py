@@ -49,6 +49,15 @@ class SafetensorsStore:
         with safe_open(self.where[key], framework="pt", device="cpu") as handle:
             return handle.get_tensor(key).to(dtype)
 
+    def rows(self, name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D tensor, read alone (an embedding's rows for one batch)."""
+        from safetensors import safe_open
+
+        key = name if name in self.where else _strip_model_prefix(name)
+        with safe_open(self.where[key], framework="pt", device="cpu") as handle:
+            part = handle.get_slice(key)
+            return torch.cat([part[i:i + 1] for i in ids.tolist()]).to(dtype)
+
     def __contains__(self, name: str) -> bool:
         return name in self.where or _strip_model_prefix(name) in self.where
 
@@ -122,7 +131,26 @@ class GGUFStore:
         # whole file, after one pass).
         with open(self.path, "rb") as f:
             raw = os.pread(f.fileno(), tensor.n_bytes, tensor.offset)
-        weights = _dequantized(np.frombuffer(raw, dtype=tensor.dtype).reshape(tensor.shape), tensor.type)
+        return self._decoded(np.frombuffer(raw, dtype=tensor.dtype).reshape(tensor.shape), gguf_name, dtype)
+
+    def rows(self, name: str, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` of a 2-D tensor, read and dequantized alone (an embedding's rows for one batch): a GGUF
+        stores a matrix row after row, each row's blocks on their own."""
+        import numpy as np
+
+        gguf_name = self.where[name]
+        tensor = self._tensors[gguf_name]
+        width = tensor.n_bytes // tensor.shape[0]
+        with open(self.path, "rb") as f:
+            raw = b"".join(os.pread(f.fileno(), width, tensor.offset + i * width) for i in ids.tolist())
+        return self._decoded(np.frombuffer(raw, dtype=tensor.dtype).reshape(len(ids), *tensor.shape[1:]),
+                             gguf_name, dtype)
+
+    def _decoded(self, data, gguf_name: str, dtype: torch.dtype) -> torch.Tensor:
+        """Stored blocks as the tensor transformers loads: dequantized, with its architecture's fixes."""
+        import numpy as np
+
+        weights = _dequantized(data, self._tensors[gguf_name].type)
         weights = self.processor.process(weights=weights, name=gguf_name, tensor_key_mapping=self._gguf_to_hf,
                                          parsed_parameters=self._parsed).weights
         # One float32 copy of the tensor, not two (a large vocabulary's embeddings; docs/scale.md: Same answer):
