@@ -24,6 +24,7 @@ from spap_lib.model.loading import Loaded, context_length, load
 from spap_lib.numerics.collective import world
 from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
 from spap_lib.numerics.memory import measured
+from spap_lib.pipeline.blocks import round_to_value
 from spap_lib.pipeline.distributed import record, share
 from spap_lib.pipeline.sequential import prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
@@ -32,7 +33,7 @@ from spap_lib.pipeline.sparsity import plan_sparsity
 def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, sparsity: float = 0.2, *,
           hparams: dict | None = None, seed: int = 0, batch_size: int = 1, propagate: bool | None = None,
           progress: bool = True, inputs: tuple | None = None, stats: list | None = None,
-          round_to: int | None = None, chunk: int = 8192, resume_dir: str | Path | None = None,
+          round_to: int | str | None = None, chunk: int = 8192, resume_dir: str | Path | None = None,
           clear_resume: bool = True) -> dict:
     """Prune ``loaded.model`` in place. Validates everything before any work is done.
 
@@ -48,6 +49,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
     check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("chunk", chunk, Spec(int, ge=1)))
+    round_to = round_to_value(round_to)  # a number, or a format's block size (``pipeline.blocks``)
     algo = get_method(method, **(hparams or {}))
     work = check_sparsity(sparsity) > 0  # sparsity 0: the dense model unchanged, whatever the method
     if work:

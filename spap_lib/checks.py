@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import types
 import typing
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -32,7 +33,7 @@ class Spec:
     """What one parameter takes: a type, optional bounds (``ge``/``gt``/``le``/``lt``), optional
     ``choices`` and whether ``None`` is allowed. ``check`` returns the value unchanged or raises."""
 
-    type: type
+    type: type | tuple  # a tuple: any of these types (``Union[int, str]``), each checked as plain ``isinstance``
     ge: float | None = None
     gt: float | None = None
     le: float | None = None
@@ -49,7 +50,9 @@ class Spec:
     def describe(self) -> str:
         bounds = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
                   if bound is not None]
-        text = _TYPE_WORDS.get(self.type, self.type.__name__) + (" " + " and ".join(bounds) if bounds else "")
+        kinds = self.type if isinstance(self.type, tuple) else (self.type,)
+        text = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in kinds)
+        text += " " + " and ".join(bounds) if bounds else ""
         if self.choices:
             text = f"one of {', '.join(map(repr, self.choices))}"
         return text + (" or None" if self.optional else "")
@@ -65,6 +68,8 @@ class Spec:
                 return None
             refuse("None is not allowed")
         t = self.type
+        if isinstance(t, tuple) and (isinstance(value, bool) or not isinstance(value, t)):
+            refuse(type(value).__name__)
         # bool is a subclass of int: True must not pass as 1, nor 1 as True; "false" is not a boolean.
         if t is bool and not isinstance(value, bool):
             refuse("write True or False, unquoted" if isinstance(value, str) else type(value).__name__)
@@ -149,12 +154,16 @@ def check_fields(obj) -> None:
 
 
 def _base_type(annotation) -> tuple[type, bool]:
-    """``int`` → (int, False); ``Optional[int]`` / ``int | None`` → (int, True)."""
+    """``int`` → (int, False); ``Optional[int]`` / ``int | None`` → (int, True); ``Optional[Union[int, str]]`` →
+    ((int, str), True)."""
     args = typing.get_args(annotation)
     if args and type(None) in args:
         rest = [a for a in args if a is not type(None)]
         if len(rest) == 1:
             return _base_type(rest[0])[0], True
+        return tuple(_base_type(a)[0] for a in rest), True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(_base_type(a)[0] for a in args), False
     origin = typing.get_origin(annotation)
     return (origin or annotation), False
 

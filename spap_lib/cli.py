@@ -57,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hparams", type=_json_object, default={},
                    help='method hyperparameters as JSON, e.g. \'{"K": 10}\'')
-    p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this")
+    p.add_argument("--round-to", default=None, help="kept MLP widths a multiple of this: a number, or a format whose "
+                   "blocks must divide them (q8_0, q4_k_m, tensor_core ...: spap_lib.pipeline.blocks)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
     p.add_argument("--resume-dir", default=None, help="save every finished layer here; rerunning the same command "
@@ -79,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, default=None)
     p.add_argument("--host-memory-gb", type=float, default=None)
     p.add_argument("--offload", default="auto")
-    p.add_argument("--round-to", type=int, default=None, help="kept MLP widths a multiple of this (as spap prune)")
+    p.add_argument("--round-to", default=None, help="kept MLP widths a multiple of this (as spap prune)")
     p.add_argument("--world-size", type=int, default=1, help="ranks of a torchrun prune: one rank's memory and "
                    "time (its share of the windows), and the all-reduce traffic")
     p.add_argument("--link", choices=("nvlink", "ethernet"), default=None, help="the ranks' link, whose rate prices "
@@ -213,11 +214,14 @@ def _eval(a) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from spap_lib.errors import SpapError, surface
+    from spap_lib.pipeline.blocks import round_to_value
 
     a = parser().parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)  # for the model card: the command as typed
     try:
         with surface("cli"):  # refusals name --flags, not keyword arguments
+            if a.command in ("prune", "plan"):
+                a.round_to = round_to_value(a.round_to)  # a format's name becomes its block size
             if a.command == "prune":
                 out = _prune(a)
                 if out is None:  # a data-parallel prune's other ranks: rank 0 prints the result

@@ -54,6 +54,7 @@ from spap_lib.checks import ParameterError, Spec, check_values
 from spap_lib.methods import DEFAULT_METHOD
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.offload import check_offload
+from spap_lib.pipeline.blocks import round_to_value
 from spap_lib.pipeline.sparsity import channels_removed
 from spap_lib.pricing import (
     BATCH,
@@ -238,11 +239,11 @@ def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = Non
         raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
                              "(add a row with bench/throughput.py)")
     check_offload(offload)
+    round_to = round_to_value(round_to)
     check_values(("nsamples", nsamples, Spec(int, ge=1)), ("seqlen", seqlen, Spec(int, ge=2)),
                  ("eval_seqlen", eval_seqlen, Spec(int, ge=2)),
                  ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
-                 ("round_to", round_to, Spec(int, ge=1, optional=True)),
                  ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
                  ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
                  ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))

@@ -27,6 +27,7 @@ from spap_lib.model.sources import ModelSource, resolve
 from spap_lib.model.stores import SafetensorsStore
 from spap_lib.numerics import bf16
 from spap_lib.pipeline import resume
+from spap_lib.pipeline.blocks import round_to_value, width_note
 from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
 from spap_lib.plan import Plan, available_host_gb, local_device, plan, size
 
@@ -56,6 +57,11 @@ class RunCheck:
             p = self.plan
             lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer{'' if uniform else ' on average'} "
                          f"({p.mlp_ratio:.1%} of channels; MLP = {p.mlp_share:.1%} of decoder params)")
+            if p.round_to is not None:
+                lines.append(f"round_to {p.round_to}: kept width {p.width - p.n_remove}, {p.achieved:.2%} of the "
+                             f"decoder's parameters removed for the {p.sparsity:.0%} requested")
+            if uniform and (note := width_note([p.width - p.n_remove])):
+                lines.append(note)
         if not uniform:
             lines.append(f"allocation {self.method.allocation}: per-layer widths; the checkpoint loads with "
                          "spap_lib.load, not stock transformers (which reads one intermediate_size for every layer)")
@@ -93,9 +99,9 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                  ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
                  ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
                  ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
-                 ("round_to", round_to, Spec(int, ge=1, optional=True)),
                  ("seed", seed, Spec(int, ge=0)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("overwrite", overwrite, Spec(bool)), ("hparams", hparams, Spec(dict, optional=True)))
+    round_to = round_to_value(round_to)  # a format's name (q4_k_m) becomes its block size
     check_offload(offload)
     bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
     algo = get_method(method, **(hparams or {})) if method is not None else None

@@ -210,3 +210,19 @@ def test_debug_keeps_the_traceback_and_real_bugs_keep_theirs(checkpoint, tmp_pat
     monkeypatch.setattr(sl, "check_run", lambda *a, **k: {}["bug"])
     with pytest.raises(KeyError):  # not a user error: not turned into a one-liner
         main(["prune", str(checkpoint), "--out", str(tmp_path / "o"), *TINY])
+
+
+def test_round_to_by_format_name_prunes_to_its_block_and_the_card_says_what_a_width_costs(checkpoint, tmp_path,
+                                                                                          monkeypatch):
+    refused(spap("prune", checkpoint, "--round-to", "q7_k", "--out", tmp_path / "o", *TINY), "--round-to", "q4_k_m")
+    odd = spap("prune", checkpoint, "--method", "magnitude", "--sparsity", "0.2", "--out", tmp_path / "odd", *TINY)
+    assert odd.returncode == 0, odd.stderr
+    assert "not a multiple of 32" in odd.stdout and "--round-to q8_0" in odd.stdout  # before the prune: the summary
+    assert "not a multiple of 32" in (tmp_path / "odd" / "README.md").read_text()
+    named = spap("prune", checkpoint, "--method", "magnitude", "--sparsity", "0.2", "--round-to", "q8_0",
+                 "--out", tmp_path / "named", *TINY)
+    assert named.returncode == 0, named.stderr
+    assert "round_to 32: kept width 32" in named.stdout and "not of 256" in named.stdout
+    manifest = json.loads((tmp_path / "named" / "spap_manifest.json").read_text())
+    assert manifest["sparsity"]["round_to"] == 32 and manifest["sparsity"]["mlp_width"]["pruned"] == 32
+    assert manifest["sparsity"]["achieved_decoder"] > 0.2  # the nearest multiple of 32 to the 20% width

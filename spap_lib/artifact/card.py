@@ -14,6 +14,7 @@ import yaml
 
 from spap_lib.artifact.portable import SUPPORTED
 from spap_lib.model.sources import HUB_ALIASES
+from spap_lib.pipeline.blocks import width_note
 
 CARD = "README.md"
 # The offline models' upstream checkpoints (their GGUF files are conversions of these) and licenses.
@@ -90,6 +91,7 @@ def _rows(f: dict) -> list[str]:
                     f"{sp.get('achieved_decoder', 0):.2%} of the decoder, {sp.get('achieved_total', 0):.2%} of all"
                     + (f" ({sp['definition']})" if sp.get("definition") else ""),
         "MLP width": f"{width.get('dense')} → {width.get('pruned')}" if width else None,
+        "llama.cpp": _blocks(width.get("pruned")),
         "parameters": f"{params['dense']['total']:,} → {params['pruned']['total']:,}" if params else None,
         "calibration": f"WikiText-2 {cal.get('split')} ({cal.get('source')}), {cal.get('nsamples')} windows × "
                        f"{cal.get('seqlen')} tokens = {cal.get('tokens'):,} tokens, seed {cal.get('seed')}"
@@ -101,6 +103,12 @@ def _rows(f: dict) -> list[str]:
                   + f"; offload {f.get('offload')}, precision {f.get('precision')}",
     }
     return [f"| {k} | {v} |" for k, v in rows.items() if v]
+
+
+def _blocks(pruned) -> str | None:
+    """What the kept widths cost in llama.cpp's block formats, where they cost anything."""
+    widths = pruned if isinstance(pruned, list) else [pruned] if isinstance(pruned, int) else []
+    return width_note(widths)
 
 
 def _perplexity(ppl: dict) -> str | None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from spap_lib.checks import ParameterError, Spec, check_sparsity
+from spap_lib.checks import ParameterError, check_sparsity
 from spap_lib.model.adapters import Adapter
+from spap_lib.pipeline.blocks import round_to_value
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class SparsityPlan:
         return self.n_remove / self.width
 
     @property
+    def achieved(self) -> float:
+        """Share of the decoder's parameters the plan removes (``round_to`` moves it off ``sparsity``)."""
+        return self.n_remove * self.params_per_channel * self.layers / self.decoder_params
+
+    @property
     def max_sparsity(self) -> float:
         return (self.width - 1) * self.params_per_channel * self.layers / self.decoder_params
 
@@ -63,8 +69,7 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     ``allocation`` spreads the same total over the layers, each kept width again a multiple
     (``allocation.rounded``)."""
     check_sparsity(sparsity)
-    if round_to is not None:
-        Spec(int, ge=1).check("round_to (a kept-width multiple such as 8, 64, 128)", round_to)
+    round_to = round_to_value(round_to)
     layers = adapter.layers()
     widths = {adapter.width(layer) for layer in layers}
     if len(widths) != 1:

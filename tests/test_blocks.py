@@ -1,0 +1,50 @@
+"""Block sizes of deployment formats: ``round_to`` by name, and the line that says what a kept width costs."""
+from __future__ import annotations
+
+import pytest
+
+from spap_lib.checks import ParameterError
+from spap_lib.errors import surface
+from spap_lib.pipeline.blocks import BLOCKS, round_to_value, width_note
+
+
+def test_a_format_name_is_its_block_and_a_number_stays_a_number():
+    assert [round_to_value(v) for v in ("q4_k_m", "Q8_0", "iq4_nl", "tensor_core", "64", 64, None)] == \
+        [256, 32, 32, 8, 64, 64, None]
+    with pytest.raises(ParameterError, match="q4_k_m, q5_k_s") as err:
+        round_to_value("q4_km")
+    assert "q4_km" in str(err.value)
+    for bad in (0, "0", -8, True, 0.5):
+        with pytest.raises(ParameterError, match=r"round_to .* must be an integer >= 1"):
+            round_to_value(bad)
+
+
+def test_every_k_quant_has_256_blocks_and_every_legacy_format_32():
+    assert {n for n, b in BLOCKS.items() if b == 256} >= {"q2_k", "q3_k_m", "q4_k_s", "q4_k_m", "q5_k_m", "q6_k"}
+    assert {n for n, b in BLOCKS.items() if b == 32} == {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl"}
+
+
+def test_the_width_note_says_what_falls_back_and_which_round_to_avoids_it():
+    with surface("cli"):
+        odd = width_note([1126])
+        legacy_only = width_note([1152, 1152])
+    assert "1126" in odd and "not a multiple of 32" in odd and "f16" in odd
+    assert "--round-to q8_0" in odd and "--round-to q4_k_m" in odd
+    assert "multiple of 32, not of 256" in legacy_only and "--round-to q4_k_m" in legacy_only
+    assert "q8_0" not in legacy_only.split(";")[1]  # 32 already divides it: only the K-quants' block is named
+    assert width_note([1280, 4864 - 256 * 3]) is None and width_note([]) is None
+    assert "round_to='q4_k_m'" in width_note([896 + 32])  # in the caller's language: Python here
+
+
+def test_a_notebook_takes_round_to_as_a_number_or_a_name_and_nothing_else():
+    from typing import Optional, Union
+
+    from spap_lib.checks import check_notebook_parameters
+
+    for value in (None, 64, "q4_k_m"):
+        check_notebook_parameters({"__annotations__": {"round_to": Optional[Union[int, str]]}, "round_to": value},
+                                  "02_prune")
+    for value in (2.5, True):
+        with pytest.raises(ParameterError, match="round_to must be an integer or a string or None"):
+            check_notebook_parameters({"__annotations__": {"round_to": Optional[Union[int, str]]}, "round_to": value},
+                                      "02_prune")
