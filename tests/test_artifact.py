@@ -320,14 +320,15 @@ def test_every_config_value_has_the_type_its_notebooks_declare(config):
     """A chain config feeds every notebook: a name declared by two notebooks with two types (05's list of
     kept-width multiples vs 02's one multiple, once both `round_to`) fails here, not in `make main`; every
     method label a config lists is one the library runs."""
-    from typing import Optional
+    from typing import Optional, Union
 
     import spap_lib as sl
     from spap_lib.checks import check_notebook_parameters
     from spap_lib.nbparams import for_notebook
 
     for notebook in sorted((REPO / "notebooks").glob("*.ipynb")):
-        declared = {name: eval(ast.unparse(node.annotation), {"Optional": Optional})  # noqa: S307 - our own cells
+        types = {"Optional": Optional, "Union": Union}
+        declared = {name: eval(ast.unparse(node.annotation), types)  # noqa: S307 - our own cells
                     for name, node in _parameters(notebook.name).items()}
         params = for_notebook(REPO / "configs" / config, notebook)
         check_notebook_parameters({"__annotations__": {k: declared[k] for k in params}, **params}, notebook.stem)
