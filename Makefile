@@ -15,7 +15,7 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 # e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
 
-.PHONY: setup setup-qwen setup-engines engines main test smoke paper offline chain ablate ablate-qwen figures gpu-check clean
+.PHONY: setup setup-qwen setup-engines engines engines-round-to main test smoke paper offline chain ablate ablate-qwen figures gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -66,6 +66,15 @@ engines: setup-engines
 	$(PY) bench/engines.py $(ARGS)
 	$(PY) -m spap_lib.artifact.render results/llamacpp.csv
 	$(PY) -m spap_lib.artifact.engines results/llamacpp.csv figures/llamacpp_speed.png
+
+# The kept MLP width's multiple in llama.cpp (docs/llamacpp.md: Which widths to keep): FASP 20% at its own widths
+# and at round_to 32, 64 and 256 on both offline models, one run per model into one table (resumable in
+# runs/engines_round_to). The Qwen model scores 5 windows and times 3 repeats: each of its tokens costs 4x.
+ROUND_TO := bench/engines.py --method fasp --sparsities 0.2 --round-tos 0 32 64 256 --out results/llamacpp_round_to.csv
+engines-round-to: setup-engines setup-qwen
+	$(PY) $(ROUND_TO) --model smollm2-135m --run runs/engines_round_to/smollm2-135m $(ARGS)
+	$(PY) $(ROUND_TO) --model qwen2.5-coder-0.5b --run runs/engines_round_to/qwen --eval-windows 5 --repeats 3 $(ARGS)
+	$(PY) -m spap_lib.artifact.render results/llamacpp_round_to.csv
 
 # Prune SmolLM2-135M (offline default) at 20% and print dense vs pruned perplexity.
 main: setup

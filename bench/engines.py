@@ -13,6 +13,9 @@ rows give medians, the ratio to the dense file of the same quantization, and the
 over this file's: decode reads every weight once per token).
 
     make setup-engines && make engines      # the committed table: results/llamacpp.csv (+ .manifest.json)
+    make engines-round-to                   # round_to 0/32/64/256 on both models: results/llamacpp_round_to.csv
+
+A table holds one run per model: ``--out`` keeps the rows of the other models it holds and replaces this one's.
 
 Resumable: checkpoints, GGUF files and per-file quality land in ``--run`` and are reused when their recorded
 settings match; the speed runs are always measured together.
@@ -31,7 +34,7 @@ from pathlib import Path
 import pandas as pd
 
 from spap_lib.artifact import llamacpp
-from spap_lib.artifact.engines import COLUMNS, check_table
+from spap_lib.artifact.engines import COLUMNS, check_table, with_model
 from spap_lib.artifact.manifest import cpu_name, read_checkpoint_manifest, write_manifest
 from spap_lib.files import write_csv_atomic, write_json_atomic
 
@@ -85,7 +88,7 @@ def checkpoint(s: Settings, run: Path, name: str, cell: tuple[str, float, int]) 
         return folder
     cmd = [sys.executable, "-m", "spap_lib.cli", "prune", s.model, "--method", method, "--sparsity", str(sparsity),
            "--nsamples", str(s.nsamples), "--seqlen", str(s.seqlen), "--no-eval", "--overwrite", "--device", "cpu",
-           "--out", str(folder), *(["--round-to", str(round_to)] if round_to else [])]
+           "--out", str(folder), "--round-to", str(round_to or "none")]
     print(" ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     return folder
@@ -243,13 +246,17 @@ def main(argv=None) -> None:
     run, out = Path(args.pop("run")), Path(args.pop("out"))
     s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
     table = measure(s, run)
-    write_csv_atomic(out, table)
+    write_csv_atomic(out, with_model(out, table))
     check_table(out)
-    build = Path(llamacpp.ENGINE_DIR / "build_seconds.txt")
-    write_manifest(out.with_suffix(".manifest.json"), command=" ".join(["python", "bench/engines.py",
-                                                                        *(sys.argv[1:] if argv is None else argv)]),
-                   settings=asdict(s), engine={"name": llamacpp.ENGINE, "version": llamacpp.ENGINE_VERSION,
-                                               "build_seconds": float(build.read_text()) if build.is_file() else None})
+    build, manifest = Path(llamacpp.ENGINE_DIR / "build_seconds.txt"), out.with_suffix(".manifest.json")
+    command = " ".join(["python", "bench/engines.py", *(sys.argv[1:] if argv is None else argv)])
+    # every model's own run: the one just made replaces its model's, the others' are kept as the table keeps them
+    runs = json.loads(manifest.read_text()).get("runs", {}) if manifest.is_file() else {}
+    runs = {m: r for m, r in runs.items() if m in set(pd.read_csv(out)["model"])}
+    runs[s.model] = {"command": command, "settings": asdict(s), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_manifest(manifest, command=command, settings=asdict(s), runs=runs,
+                   engine={"name": llamacpp.ENGINE, "version": llamacpp.ENGINE_VERSION,
+                           "build_seconds": float(build.read_text()) if build.is_file() else None})
     print(table.round(3).to_string(index=False))
 
 

@@ -57,8 +57,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hparams", type=_json_object, default={},
                    help='method hyperparameters as JSON, e.g. \'{"K": 10}\'')
-    p.add_argument("--round-to", default=None, help="kept MLP widths a multiple of this: a number, or a format whose "
-                   "blocks must divide them (q8_0, q4_k_m, tensor_core ...: spap_lib.pipeline.blocks)")
+    p.add_argument("--round-to", default="auto", help="kept MLP widths a multiple of this: a number, or a format "
+                   "whose blocks must divide them (q8_0, q4_k_m, tensor_core ...: spap_lib.pipeline.blocks); none: the "
+                   "method's own widths (the paper's); auto: 32 where the MLP is 512 or wider (docs/llamacpp.md)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
     p.add_argument("--resume-dir", default=None, help="save every finished layer here; rerunning the same command "
@@ -80,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory-gb", type=float, default=None)
     p.add_argument("--host-memory-gb", type=float, default=None)
     p.add_argument("--offload", default="auto")
-    p.add_argument("--round-to", default=None, help="kept MLP widths a multiple of this (as spap prune)")
+    p.add_argument("--round-to", default="auto", help="kept MLP widths a multiple of this (as spap prune)")
     p.add_argument("--world-size", type=int, default=1, help="ranks of a torchrun prune: one rank's memory and "
                    "time (its share of the windows), and the all-reduce traffic")
     p.add_argument("--link", choices=("nvlink", "ethernet"), default=None, help="the ranks' link, whose rate prices "
@@ -180,8 +181,9 @@ def _plan(a) -> str:
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
              device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
              round_to=a.round_to, config=config)
+    widths = _width_lines(a, config)
     if a.world_size == 1:
-        return p.table()
+        return "\n".join([p.table(), *widths])
     from spap_lib.pipeline.distributed import LINKS, allreduce_lines, allreduce_seconds
     from spap_lib.plan import layer_shapes
 
@@ -190,7 +192,22 @@ def _plan(a) -> str:
     method, shapes = get_method(a.method), layer_shapes(config, a.sparsity, a.round_to)
     link = a.link or ("ethernet" if p.device.startswith("cpu") else "nvlink")
     p.seconds[f"all-reduce, {LINKS[link][0]}"] = allreduce_seconds(method, shapes, a.world_size, link)
-    return "\n".join([head, p.table(), *allreduce_lines(method, shapes, a.world_size)])
+    return "\n".join([head, p.table(), *widths, *allreduce_lines(method, shapes, a.world_size)])
+
+
+def _width_lines(a, config) -> list[str]:
+    """The kept MLP width the plan priced, its multiple, and what it costs in llama.cpp (as ``spap prune`` says)."""
+    from spap_lib.methods import get_method
+    from spap_lib.pipeline.blocks import width_note
+    from spap_lib.plan import layer_shapes
+
+    method = get_method(a.method)
+    if method.pipeline != "layers" or not method.uniform_widths:  # no MLP channels kept, or one width per layer
+        return []
+    shapes = layer_shapes(config, a.sparsity, a.round_to)
+    rounding = f"round_to {a.round_to}" if a.round_to else "the method's own width"
+    note = width_note([shapes["kept"]])
+    return [f"  kept MLP width {shapes['kept']} of {shapes['width']} ({rounding})", *([f"  {note}"] if note else [])]
 
 
 def _eval(a) -> dict:
@@ -212,16 +229,31 @@ def _eval(a) -> dict:
     return {"model": a.model, **result}
 
 
+def _round_to(a) -> int | None:
+    """``--round-to`` as a multiple: a format's name becomes its block size, ``auto`` the method's default for the
+    model's MLP width (``Method.default_round_to``: 32 for a channel-pruning method on a real model)."""
+    from spap_lib.methods import get_method
+    from spap_lib.pipeline.blocks import round_to_value
+    from spap_lib.plan import model_config
+
+    if str(a.round_to).strip().lower() != "auto":
+        return round_to_value(a.round_to)
+    if not a.model:  # `spap plan --list`
+        return None
+    config = model_config(a.model)
+    width = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
+    return get_method(a.method).default_round_to(width) if width else None
+
+
 def main(argv: list[str] | None = None) -> int:
     from spap_lib.errors import SpapError, surface
-    from spap_lib.pipeline.blocks import round_to_value
 
     a = parser().parse_args(argv)
     a.argv = sys.argv[1:] if argv is None else list(argv)  # for the model card: the command as typed
     try:
         with surface("cli"):  # refusals name --flags, not keyword arguments
             if a.command in ("prune", "plan"):
-                a.round_to = round_to_value(a.round_to)  # a format's name becomes its block size
+                a.round_to = _round_to(a)
             if a.command == "prune":
                 out = _prune(a)
                 if out is None:  # a data-parallel prune's other ranks: rank 0 prints the result

@@ -5,12 +5,12 @@ import pytest
 
 from spap_lib.checks import ParameterError
 from spap_lib.errors import surface
-from spap_lib.pipeline.blocks import BLOCKS, round_to_value, width_note
+from spap_lib.pipeline.blocks import BLOCKS, auto_round_to, round_to_value, width_note
 
 
 def test_a_format_name_is_its_block_and_a_number_stays_a_number():
-    assert [round_to_value(v) for v in ("q4_k_m", "Q8_0", "iq4_nl", "tensor_core", "64", 64, None)] == \
-        [256, 32, 32, 8, 64, 64, None]
+    assert [round_to_value(v) for v in ("q4_k_m", "Q8_0", "iq4_nl", "tensor_core", "64", 64, None, "None")] == \
+        [256, 32, 32, 8, 64, 64, None, None]
     with pytest.raises(ParameterError, match="q4_k_m, q5_k_s") as err:
         round_to_value("q4_km")
     assert "q4_km" in str(err.value)
@@ -48,3 +48,24 @@ def test_a_notebook_takes_round_to_as_a_number_or_a_name_and_nothing_else():
         with pytest.raises(ParameterError, match="round_to must be an integer or a string or None"):
             check_notebook_parameters({"__annotations__": {"round_to": Optional[Union[int, str]]}, "round_to": value},
                                       "02_prune")
+
+
+def test_auto_rounds_a_real_models_widths_to_32_and_leaves_a_narrow_or_odd_mlp_as_it_is():
+    assert [auto_round_to(w) for w in (1536, 4864, 2048, 512, 480, 64, 1000)] == [32, 32, 32, 32, None, None, None]
+
+
+@pytest.mark.parametrize("args,width", [([], "1120 of 1536 (round_to 32)"), (["--round-to", "none"], "1126 of 1536 ("
+                                        "the method's own width)"), (["--round-to", "q4_k_m"], "1024 of 1536 (round_to"
+                                                                     " 256)")])
+def test_spap_plan_prices_the_width_prune_keeps_by_default_and_says_what_it_costs(capsys, args, width):
+    """``--round-to auto`` (the default of ``spap prune`` and ``spap plan``) keeps SmolLM2-135M's 20% at 1120
+    (FASP's own width is 1126); the plan says which width it priced and the width's one line on llama.cpp."""
+    from spap_lib.cli import main
+
+    assert main(["plan", "smollm2-135m", "--method", "fasp", "--nsamples", "8", "--seqlen", "256", *args]) == 0
+    out = capsys.readouterr().out
+    assert f"kept MLP width {width}" in out
+    assert ("not a multiple of 32" in out) == ("none" in args)  # 1126: every quantized ffn_down in f16
+    assert ("--round-to q4_k_m (a multiple of 256) avoids it" in out) == ("q4_k_m" not in args)
+    assert main(["plan", "smollm2-135m", "--method", "slicegpt", "--nsamples", "8", "--seqlen", "256"]) == 0
+    assert "kept MLP width" not in capsys.readouterr().out  # SliceGPT keeps no MLP channels: auto is its own

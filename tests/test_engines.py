@@ -89,3 +89,19 @@ def test_the_engine_pin_is_written_once_for_the_build_and_the_converter():
     pins = dict(line.split("==") for line in (REPO / "requirements-engines.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert pins["llama-cpp-python"] == llamacpp.ENGINE_VERSION
+
+
+def test_a_table_keeps_one_run_per_model_and_says_each_runs_settings(tmp_path):
+    path = _table(tmp_path)
+    other = pd.read_csv(path).assign(model="q", repeats=3)
+    both = engines.with_model(path, other)
+    assert list(both["model"]).count("m") == list(both["model"]).count("q") == 4
+    both.to_csv(path, index=False)
+    again = engines.with_model(path, other.assign(decode_tps=1.0))  # a rerun of q replaces q's rows only
+    assert len(again) == 8 and set(again.loc[again["model"] == "q", "decode_tps"]) == {1.0}
+    assert (again.loc[again["model"] == "m", "decode_tps"] > 1).all()
+    again.to_csv(path, index=False)
+    notes = engines.render(path).splitlines()[-2:]
+    assert notes[0].startswith("m: ") and "medians of 5" in notes[0]
+    assert notes[1].startswith("q: ") and "medians of 3" in notes[1]
+    assert engines.with_model(tmp_path / "absent.csv", other) is other

@@ -1,5 +1,6 @@
-"""The llama.cpp table (``results/llamacpp.csv``, written by ``bench/engines.py``): its schema and check, the
-block the docs render from it, and its figure, drawn from the table alone.
+"""The llama.cpp tables (``results/llamacpp.csv`` and ``results/llamacpp_round_to.csv``, written by
+``bench/engines.py``): their schema and check, the block the docs render from one, and its figure, drawn from the
+table alone.
 
     python -m spap_lib.artifact.engines results/llamacpp.csv figures/llamacpp_speed.png   # `make figures`
 """
@@ -52,6 +53,17 @@ def check_table(path: str | Path) -> pd.DataFrame:
     return table
 
 
+def with_model(path: str | Path, rows: pd.DataFrame) -> pd.DataFrame:
+    """The table at ``path`` with its rows of ``rows``' model replaced by ``rows``: a table holds one run per model
+    (each model's ratios are to its own dense file, timed in the same run), so other models' rows are kept."""
+    path = Path(path)
+    if not path.is_file():
+        return rows
+    kept = check_table(path)
+    kept = kept[~kept["model"].isin(set(rows["model"]))]
+    return pd.concat([kept, rows], ignore_index=True) if len(kept) else rows
+
+
 def render(path: str | Path) -> str:
     """The docs' block: per checkpoint and quantization, size, quality and speed beside dense."""
     from spap_lib.artifact.figures import markdown_table
@@ -66,12 +78,15 @@ def render(path: str | Path) -> str:
         "prompt tok/s": table["prompt_tps"].round(0).astype(int),
         "prompt × dense": table["prompt_ratio"].round(2), "decode tok/s": table["decode_tps"].round(1),
         "decode × dense": table["decode_ratio"].round(2), "bytes bound": table["bytes_bound"].round(2)})
-    first = table.iloc[0]
-    return (markdown_table(shown, index=False, disable_numparse=True) +
-            f"\n\n{first['engine']} {first['engine_version']}, {int(first['threads'])} threads, {first['cpu']}, "
-            f"weights {'repacked' if first['repack'] else 'not repacked'} (docs/scale.md: llama.cpp); "
-            f"medians of {int(first['repeats'])} interleaved repeats; perplexity on the first "
-            f"{int(first['eval_windows'])} test windows of {int(first['eval_seqlen'])}.")
+    notes = []
+    for model, rows in table.groupby("model", sort=False):  # each model's run, in one line
+        first = rows.iloc[0]
+        notes.append((f"{model}: " if table["model"].nunique() > 1 else "") +
+                     f"{first['engine']} {first['engine_version']}, {int(first['threads'])} threads, {first['cpu']}, "
+                     f"weights {'repacked' if first['repack'] else 'not repacked'} (docs/scale.md: llama.cpp); "
+                     f"medians of {int(first['repeats'])} interleaved repeats; perplexity on the first "
+                     f"{int(first['eval_windows'])} test windows of {int(first['eval_seqlen'])}.")
+    return markdown_table(shown, index=False, disable_numparse=True) + "\n\n" + "\n".join(notes)
 
 
 def figure(path: str | Path, out: str | Path):

@@ -8,6 +8,7 @@
     python -m spap_lib.artifact.render results/profile.csv            # 05_profile   (profile:start/end)
     python -m spap_lib.artifact.render results/profile_slicegpt.csv   # 05, SliceGPT (profile_slicegpt:start/end)
     python -m spap_lib.artifact.render results/llamacpp.csv           # bench/engines.py (llamacpp:start/end)
+    python -m spap_lib.artifact.render results/llamacpp_round_to.csv  # make engines-round-to (llamacpp_round_to)
     python -m spap_lib.artifact.render --check results/ablation.csv   # exit 1 if README's blocks are stale
 """
 from __future__ import annotations
@@ -169,7 +170,7 @@ def render_best(csv: str) -> str:
 
 
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
-             "profile_slicegpt": render_profile, "llamacpp": engines.render}
+             "profile_slicegpt": render_profile, "llamacpp": engines.render, "llamacpp_round_to": engines.render}
 
 
 def render_blocks(csv: str) -> dict[str, str]:

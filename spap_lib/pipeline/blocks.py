@@ -31,16 +31,33 @@ BLOCKS = {
 }
 
 
+# `spap prune`'s default (`--round-to auto`): widths the legacy formats' 32 divides, where the MLP is at least 16
+# blocks wide. Rounding to the nearest multiple moves a layer's width by at most half a block, 16 channels, a 32nd
+# of such an MLP; a narrower one (a test model) keeps its exact widths. Why 32 and not the paper's exact widths: the
+# table in docs/llamacpp.md ("Which widths to keep").
+AUTO, AUTO_MIN_WIDTH = LEGACY, 16 * LEGACY
+
+
+def auto_round_to(width: int) -> int | None:
+    """What ``--round-to auto`` means for a model whose MLP is ``width`` wide: 32 where 32 divides the width and
+    it is at least ``AUTO_MIN_WIDTH``, else no rounding."""
+    return AUTO if width % AUTO == 0 and width >= AUTO_MIN_WIDTH else None
+
+
 def round_to_value(round_to: int | str | None) -> int | None:
     """``round_to`` as a multiple: a whole number ``>= 1`` as it is (``"64"`` from a command line too), a format's
-    name as its block size, ``None`` as no rounding; anything else is refused with what it accepts."""
+    name as its block size, ``None`` or ``"none"`` as no rounding (the method's own widths); anything else is
+    refused with what it accepts."""
     if isinstance(round_to, str):
         name = round_to.strip().lower()
+        if name == "none":
+            return None
         if name in BLOCKS:
             return BLOCKS[name]
         if not name.isdigit():
             raise ParameterError(f"{option_name('round_to')} {round_to!r} is not a format spap knows the blocks of; "
-                                 f"use a number (for example {option('round_to', 64)}) or one of: {', '.join(BLOCKS)}")
+                                 f"use a number (for example {option('round_to', 64)}), none, or one of: "
+                                 f"{', '.join(BLOCKS)}")
         round_to = int(name)
     return Spec(int, ge=1, optional=True).check("round_to (a kept-width multiple such as 64, or a format such as "
                                                 "q4_k_m)", round_to)
