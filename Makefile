@@ -69,7 +69,7 @@ engines: setup-engines
 
 # The kept MLP width's multiple in llama.cpp (docs/llamacpp.md: Which widths to keep): FASP 20% at its own widths
 # and at round_to 32, 64 and 256 on both offline models, one run per model into one table (resumable in
-# runs/engines_round_to). The Qwen model scores 5 windows and times 3 repeats: each of its tokens costs 4x.
+# runs/engines_round_to). The Qwen model scores 5 windows and times 3 repeats: its tokens cost several of SmolLM2's.
 ROUND_TO := bench/engines.py --method fasp --sparsities 0.2 --round-tos 0 32 64 256 --out results/llamacpp_round_to.csv
 engines-round-to: setup-engines setup-qwen
 	$(PY) $(ROUND_TO) --model smollm2-135m --run runs/engines_round_to/smollm2-135m $(ARGS)

@@ -230,19 +230,20 @@ def _eval(a) -> dict:
 
 
 def _round_to(a) -> int | None:
-    """``--round-to`` as a multiple: a format's name becomes its block size, ``auto`` the method's default for the
-    model's MLP width (``Method.default_round_to``: 32 for a channel-pruning method on a real model)."""
+    """``--round-to`` as a multiple: a format's name becomes its block size, ``auto`` the default for the model's MLP
+    width (``blocks.auto_round_to``: 32 on a real model) where the method keeps MLP channels layer by layer; a
+    whole-model method (SliceGPT) keeps its own dimensions."""
     from spap_lib.methods import get_method
-    from spap_lib.pipeline.blocks import round_to_value
+    from spap_lib.pipeline.blocks import auto_round_to, round_to_value
     from spap_lib.plan import model_config
 
     if str(a.round_to).strip().lower() != "auto":
         return round_to_value(a.round_to)
-    if not a.model:  # `spap plan --list`
+    if not a.model or get_method(a.method).pipeline != "layers":  # `spap plan --list`, or no MLP channels kept
         return None
     config = model_config(a.model)
     width = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
-    return get_method(a.method).default_round_to(width) if width else None
+    return auto_round_to(width) if width else None
 
 
 def main(argv: list[str] | None = None) -> int:

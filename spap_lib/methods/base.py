@@ -281,13 +281,6 @@ class Method:
         """Whether a run saves its finished layers and resumes after them (``pipeline.resume``)."""
         return self.pipeline == "layers"
 
-    def default_round_to(self, width: int) -> int | None:
-        """``spap prune``'s ``--round-to auto`` for a model ``width`` wide: the kept MLP widths' multiple, where the
-        ``layers`` pipeline keeps MLP channels (``blocks.auto_round_to``); a whole-model method keeps its own."""
-        from spap_lib.pipeline.blocks import auto_round_to
-
-        return auto_round_to(width) if self.pipeline == "layers" else None
-
     def check_settings(self, *, round_to: int | None, propagate: bool | None, resume_dir) -> None:
         """Refuse run settings that the method's pipeline does not read (None: not given): a method that is not
         ``resumable`` saves no finished layers, so a ``resume_dir`` would be ignored."""
