@@ -246,13 +246,14 @@ def main(argv=None) -> None:
     run, out = Path(args.pop("run")), Path(args.pop("out"))
     s = Settings(**{k: tuple(v) if isinstance(v, list) else v for k, v in args.items()})
     table = measure(s, run)
-    write_csv_atomic(out, with_model(out, table))
+    whole = with_model(out, table)
+    write_csv_atomic(out, whole)
     check_table(out)
     build, manifest = Path(llamacpp.ENGINE_DIR / "build_seconds.txt"), out.with_suffix(".manifest.json")
     command = " ".join(["python", "bench/engines.py", *(sys.argv[1:] if argv is None else argv)])
     # every model's own run: the one just made replaces its model's, the others' are kept as the table keeps them
     runs = json.loads(manifest.read_text()).get("runs", {}) if manifest.is_file() else {}
-    runs = {m: r for m, r in runs.items() if m in set(pd.read_csv(out)["model"])}
+    runs = {m: r for m, r in runs.items() if m in set(whole["model"])}
     runs[s.model] = {"command": command, "settings": asdict(s), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     write_manifest(manifest, command=command, settings=asdict(s), runs=runs,
                    engine={"name": llamacpp.ENGINE, "version": llamacpp.ENGINE_VERSION,

@@ -102,6 +102,7 @@ def _prune(a) -> dict | None:
     from spap_lib.numerics.collective import barrier
     from spap_lib.pipeline import distributed
 
+    a.round_to = _round_to(a)  # before the run's check, which reads the multiple
     w, device = distributed.start(a.device)  # one rank of several under torchrun; else this process alone
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
@@ -161,15 +162,16 @@ def _plan(a) -> str:
     from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
     from spap_lib.model.sources import known_models
-    from spap_lib.plan import THROUGHPUT, available_host_gb, local_device, model_config, plan
+    from spap_lib.plan import THROUGHPUT, available_host_gb, layer_shapes, local_device, model_config, plan
     from spap_lib.validate import check_config
 
     if a.list or not a.model:
         return "models: " + " ".join(known_models()) + "\nplanning devices: " + " ".join(THROUGHPUT)
-    config = model_config(a.model)
+    config, method = model_config(a.model), get_method(a.method)
+    a.round_to = _round_to(a, config)
     # what spap prune refuses from the config (a window past the context, a sparsity that removes no channel or
     # every one) is refused here too: a plan of a run that cannot start says nothing
-    check_config(a.model, config, get_method(a.method), a.sparsity, {"seqlen": a.seqlen, "eval_seqlen": a.eval_seqlen},
+    check_config(a.model, config, method, a.sparsity, {"seqlen": a.seqlen, "eval_seqlen": a.eval_seqlen},
                  {"round_to": a.round_to})
     device, memory = (a.device, a.device_memory_gb) if a.device else local_device(pick_device("auto"))
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
@@ -181,31 +183,27 @@ def _plan(a) -> str:
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
              device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
              round_to=a.round_to, config=config)
-    widths = _width_lines(a, config)
+    shapes = layer_shapes(config, a.sparsity, a.round_to)
+    widths = _width_lines(method, a.round_to, shapes)
     if a.world_size == 1:
         return "\n".join([p.table(), *widths])
     from spap_lib.pipeline.distributed import LINKS, allreduce_lines, allreduce_seconds
-    from spap_lib.plan import layer_shapes
 
     head = f"world size {a.world_size}: one rank's plan, {per_rank} of {a.nsamples} windows (the decoder layer is " \
            "replicated; the perplexity's windows are shared too)"
-    method, shapes = get_method(a.method), layer_shapes(config, a.sparsity, a.round_to)
     link = a.link or ("ethernet" if p.device.startswith("cpu") else "nvlink")
     p.seconds[f"all-reduce, {LINKS[link][0]}"] = allreduce_seconds(method, shapes, a.world_size, link)
     return "\n".join([head, p.table(), *widths, *allreduce_lines(method, shapes, a.world_size)])
 
 
-def _width_lines(a, config) -> list[str]:
-    """The kept MLP width the plan priced, its multiple, and what it costs in llama.cpp (as ``spap prune`` says)."""
-    from spap_lib.methods import get_method
+def _width_lines(method, round_to: int | None, shapes: dict) -> list[str]:
+    """The kept MLP width the plan priced (``plan.layer_shapes``), its multiple, and what it costs in llama.cpp (as
+    ``spap prune`` says)."""
     from spap_lib.pipeline.blocks import width_note
-    from spap_lib.plan import layer_shapes
 
-    method = get_method(a.method)
     if method.pipeline != "layers" or not method.uniform_widths:  # no MLP channels kept, or one width per layer
         return []
-    shapes = layer_shapes(config, a.sparsity, a.round_to)
-    rounding = f"round_to {a.round_to}" if a.round_to else "the method's own width"
+    rounding = f"round_to {round_to}" if round_to else "the method's own width"
     note = width_note([shapes["kept"]])
     return [f"  kept MLP width {shapes['kept']} of {shapes['width']} ({rounding})", *([f"  {note}"] if note else [])]
 
@@ -229,21 +227,19 @@ def _eval(a) -> dict:
     return {"model": a.model, **result}
 
 
-def _round_to(a) -> int | None:
+def _round_to(a, config=None) -> int | None:
     """``--round-to`` as a multiple: a format's name becomes its block size, ``auto`` the default for the model's MLP
     width (``blocks.auto_round_to``: 32 on a real model) where the method keeps MLP channels layer by layer; a
-    whole-model method (SliceGPT) keeps its own dimensions."""
+    whole-model method (SliceGPT) keeps its own dimensions. ``config``: the model's, where the caller has read it."""
     from spap_lib.methods import get_method
     from spap_lib.pipeline.blocks import auto_round_to, round_to_value
-    from spap_lib.plan import model_config
+    from spap_lib.plan import mlp_width, model_config
 
     if str(a.round_to).strip().lower() != "auto":
         return round_to_value(a.round_to)
-    if not a.model or get_method(a.method).pipeline != "layers":  # `spap plan --list`, or no MLP channels kept
+    if get_method(a.method).pipeline != "layers":  # no MLP channels kept
         return None
-    config = model_config(a.model)
-    width = getattr(config, "intermediate_size", None) or getattr(config, "ffn_dim", None)
-    return auto_round_to(width) if width else None
+    return auto_round_to(mlp_width(config if config is not None else model_config(a.model)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     a.argv = sys.argv[1:] if argv is None else list(argv)  # for the model card: the command as typed
     try:
         with surface("cli"):  # refusals name --flags, not keyword arguments
-            if a.command in ("prune", "plan"):
-                a.round_to = _round_to(a)
             if a.command == "prune":
                 out = _prune(a)
                 if out is None:  # a data-parallel prune's other ranks: rank 0 prints the result

@@ -191,6 +191,11 @@ def _counts(config) -> dict:
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
 
 
+def mlp_width(config) -> int:
+    """The dense MLP width of a config's first layer, read by its adapter (``Adapter.width``)."""
+    return _counts(config)["width"]
+
+
 def layer_shapes(config, sparsity: float, round_to: int | None = None) -> dict:
     """One layer's ``hidden``, dense ``width``, ``kept`` width and input projections, and the ``layers``: what the
     all-reduce estimate of a data-parallel prune reads (``distributed.allreduce_lines``)."""
