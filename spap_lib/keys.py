@@ -134,3 +134,13 @@ def code_digest(*modules) -> str:
     for module in modules:
         digest.update(inspect.getsource(module).encode())
     return digest.hexdigest()[:16]
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A short hash of how ``tokenizer`` turns text into ids: a fast tokenizer's whole definition (normalizer,
+    pre-tokenizer, model, post-processor, added tokens), else its class and vocabulary. Ids drawn by another
+    tokenizer of the same model are other ids, so a cache or a row of another digest is not this run's."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else \
+        json.dumps([type(tokenizer).__name__, sorted(tokenizer.get_vocab().items())])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -137,6 +137,17 @@ def _python_surface():
         yield
 
 
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    """A byte-level BPE tokenizer of 97 tokens that stock ``AutoTokenizer`` reloads as it was for every architecture:
+    transformers 5 rebuilds a qwen2 checkpoint's tokenizer as ``Qwen2Tokenizer`` whatever class it was saved with, so
+    a word-level one comes back splitting text otherwise (and ``sl.save`` refuses it)."""
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    chars = [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ", "ĉ"]  # printable ASCII, then space, newline, tab
+    return Qwen2Tokenizer(vocab={c: i for i, c in enumerate(chars)}, merges=[])
+
+
 @pytest.fixture
 def tiny_checkpoint(tmp_path, tiny_tokenizer):
     """``tiny_checkpoint(arch)``: a tiny random model of ``arch`` saved with the tiny tokenizer as a checkpoint
@@ -148,3 +159,21 @@ def tiny_checkpoint(tmp_path, tiny_tokenizer):
         return path
     return save
 
+
+@pytest.fixture(scope="session")
+def oldest() -> Path:
+    """The oldest supported transformers (requirements-oldest.txt), installed once into build/compat/ (keyed by the
+    pins) beside the pinned torch, without touching the project's venv: ``PYTHONPATH`` it to run there."""
+    import hashlib
+    import subprocess
+    import sys
+
+    pins = Path(__file__).resolve().parents[1] / "requirements-oldest.txt"
+    key = hashlib.sha256(pins.read_bytes()).hexdigest()[:12]
+    target = pins.parent / "build" / "compat" / f"oldest-{key}"
+    if not (target / "transformers" / "__init__.py").is_file():
+        tmp = target.with_name(target.name + ".tmp")
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+                        "-r", str(pins)], check=True, timeout=600)
+        tmp.rename(target)
+    return target

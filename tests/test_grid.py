@@ -322,6 +322,42 @@ def test_rows_record_every_hyperparameter_and_a_changed_default_reruns_the_cell(
     assert pruned == ["magnitude"]
 
 
+def test_rows_of_another_tokenizer_are_run_again(tiny_tokenizer, windows, tmp_path, monkeypatch):
+    """A row records the digest of the tokenizer its ids came from. A grid whose tokenizer splits text otherwise
+    (spap's own split of a GGUF's: ``gguf_tokenizer.rebuilt``) runs the cell again and replaces the row; a row from
+    before the column counts only while spap's tokenizer is still transformers' build."""
+    import copy
+
+    from tokenizers import pre_tokenizers
+
+    from spap_lib.keys import tokenizer_digest
+
+    g = _grid("llama", tiny_tokenizer, windows)
+    csv = tmp_path / "t.csv"
+    table = run_grid(g, [Variant.parse("magnitude")], [0.2], [16], 2, csv)
+    assert set(table["tokenizer"]) == {tokenizer_digest(tiny_tokenizer)}
+    pruned = []
+    real = Grid.prune
+    monkeypatch.setattr(Grid, "prune", lambda self, v, s: pruned.append(v.label) or real(self, v, s))
+    run_grid(g, [Variant.parse("magnitude")], [0.2], [16], 2, csv)
+    assert pruned == []  # the same tokenizer: done
+    other = copy.deepcopy(tiny_tokenizer)
+    other.backend_tokenizer.pre_tokenizer = pre_tokenizers.Digits(individual_digits=True)
+    other.spap_rebuilt = True
+    g.tokenizer = (tokenizer_digest(other), True)
+    again = run_grid(g, [Variant.parse("magnitude")], [0.2], [16], 2, csv)
+    assert pruned == ["magnitude"] and len(again) == len(table)  # replaced, not added
+    assert set(again["tokenizer"]) == {tokenizer_digest(other)}  # the dense row measured again too
+    old = pd.read_csv(csv, keep_default_na=False).drop(columns=["tokenizer", "row_sha256"])  # unsigned, as then
+    old.to_csv(csv, index=False)
+    run_grid(g, [Variant.parse("magnitude")], [0.2], [16], 2, csv)
+    assert pruned == ["magnitude", "magnitude"]  # recorded before the column, and spap now splits otherwise
+    g.tokenizer = (tokenizer_digest(tiny_tokenizer), False)
+    old.to_csv(csv, index=False)
+    run_grid(g, [Variant.parse("magnitude")], [0.2], [16], 2, csv)
+    assert pruned == ["magnitude", "magnitude"]  # transformers' build all along: done
+
+
 def test_an_option_added_later_makes_a_row_stale_only_where_it_acts():
     """A row records every hyperparameter it ran with. One added since (absent from the record) makes the
     row stale where it changes the result, not where the row's own settings make it inert."""

@@ -35,9 +35,9 @@ def _hparams(method, arch):
 
 
 @pytest.mark.parametrize("method", sorted(m for m in sl.METHODS if sl.METHODS[m].pipeline == "layers"))  # MLP channels
-def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, tiny_tokenizer, tmp_path):
+def test_every_method_prunes_saves_and_reloads(method, loaded, arch, windows, byte_tokenizer, tmp_path):
     """Same budget for every method; the saved checkpoint reloads to the same logits."""
-    prune_save_reload(loaded, method, _hparams(method, arch), windows, tiny_tokenizer, tmp_path)
+    prune_save_reload(loaded, method, _hparams(method, arch), windows, byte_tokenizer, tmp_path)
 
 
 COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "spap/select=wanda,update=gd",
@@ -46,7 +46,7 @@ COMPOSITIONS = ["spap/select=act_norm", "spap/select=wanda,allocation=error", "s
 
 
 @pytest.mark.parametrize("label", COMPOSITIONS)
-def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_tokenizer, tmp_path):
+def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, byte_tokenizer, tmp_path):
     """A composition is one label (as a grid, the CLI or 02 gives it): it spends exactly the plan and its
     checkpoint reloads to the same logits, whatever its selection, allocation and update."""
     from spap_lib.artifact.grid import Variant
@@ -56,7 +56,7 @@ def test_any_composition_prunes_saves_and_reloads(label, loaded, windows, tiny_t
     fast = {k: v for k, v in FAST.items() if k in method.effective_hparams()}  # the parts it has
     assert method.parts() == {**sl.get_method(variant.method).parts(),
                               **{k: v for k, v in variant.hparams.items() if k in ("select", "allocation", "update")}}
-    prune_save_reload(loaded, variant.method, {**fast, **variant.hparams}, windows, tiny_tokenizer, tmp_path)
+    prune_save_reload(loaded, variant.method, {**fast, **variant.hparams}, windows, byte_tokenizer, tmp_path)
 
 
 def test_presets_reproduce_their_methods():

@@ -92,8 +92,8 @@ def test_exact_parameter_counts(loaded, arch):
     assert abs((1 - after["decoder"] / before["decoder"]) - 0.25) < per_channel * L / before["decoder"]
 
 
-def test_prune_save_and_stock_reload(loaded, windows, tiny_tokenizer, tmp_path):
-    loaded.tokenizer = tiny_tokenizer
+def test_prune_save_and_stock_reload(loaded, windows, byte_tokenizer, tmp_path):
+    loaded.tokenizer = byte_tokenizer
     report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=FAST, progress=False)
     width = report["sparsity"]["mlp_width"]["pruned"]
     assert width < 64 and all(loaded.adapter.width(layer) == width for layer in loaded.adapter.layers())

@@ -6,7 +6,6 @@ Llama one with Llama-3 scaling, so a checkpoint that older versions misread fail
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -23,7 +22,6 @@ from spap_lib.errors import CheckpointError
 from spap_lib.evaluation.data import Calibration
 
 REPO = Path(__file__).resolve().parents[1]
-PINS = REPO / "requirements-oldest.txt"
 TEXT = "The 1990s game , Valkyria Chronicles III , was released in 2011 .\n = = Plot = = \n"
 ROPE = {  # per architecture: rope_parameters the test gives it
     "llama": {"rope_type": "default", "rope_theta": 100000.0},
@@ -47,19 +45,6 @@ for folder in sys.argv[2:]:
         out[folder] = {"ids": ids[0].tolist(), "logits": model(ids).logits[0].tolist()}
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(scope="module")
-def oldest() -> Path:
-    """The pinned oldest transformers, installed once (keyed by the pins) without touching the project's venv."""
-    key = hashlib.sha256(PINS.read_bytes()).hexdigest()[:12]
-    target = REPO / "build" / "compat" / f"oldest-{key}"
-    if not (target / "transformers" / "__init__.py").is_file():
-        tmp = target.with_name(target.name + ".tmp")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                        "-r", str(PINS)], check=True, timeout=600)
-        tmp.rename(target)
-    return target
 
 
 def _saved(arch: str, tmp_path: Path) -> Path:

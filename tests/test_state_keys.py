@@ -33,6 +33,85 @@ def test_a_model_replaced_at_the_same_path_gets_its_own_dense_perplexity(tmp_pat
     assert again == second  # the same content: reused
 
 
+def test_another_tokenizer_of_the_same_model_gets_its_own_calibration_and_dense_perplexity(tmp_path):
+    """The same weights and tokenizer files, split otherwise in memory (as ``sl.load`` splits a GGUF's text as
+    its model does): other ids, so the cached windows and dense perplexity are computed again, not reused."""
+    from conftest import char_tokenizer, tiny_model
+    from tokenizers import pre_tokenizers
+
+    path, run = tmp_path / "model", tmp_path / "run"
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    loaded = sl.load(str(path), device="cpu")
+    calib = sl.get_calibration(loaded, 4, 16, 0, cache=run / "calibration.pt")
+    dense = sl.dense_perplexity(loaded, 16, 2, cache=run / "dense.json", progress=False)
+    assert sl.get_calibration(loaded, 4, 16, 0, cache=run / "calibration.pt").describe() == calib.describe()
+    loaded.tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # words: unknown to a char vocab
+    other = sl.get_calibration(loaded, 4, 16, 0, cache=run / "calibration.pt")
+    assert other.describe()["sha256"] != calib.describe()["sha256"]
+    assert sl.dense_perplexity(loaded, 16, 2, cache=run / "dense.json", progress=False) != dense
+
+
+def test_a_saved_tokenizer_that_reloads_to_other_ids_is_not_installed(tmp_path, monkeypatch):
+    """The tokenizer a checkpoint is saved with must reload (stock ``AutoTokenizer``, after the portable fields
+    are written) to the ids the model was measured with; else nothing is installed."""
+    from conftest import char_tokenizer, tiny_model
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    from spap_lib.artifact import manifest
+    from spap_lib.errors import CheckpointError
+    from spap_lib.keys import tokenizer_digest
+
+    path = tmp_path / "model"
+    tiny_model("llama").save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    loaded = sl.load(str(path), device="cpu")
+    report = sl.prune(loaded, sl.calibration_windows(loaded.tokenizer, 2, 16, 0), "magnitude", 0.25, progress=False)
+    real = manifest.make_portable
+
+    def rewritten(folder):  # a save step that changes how the written tokenizer splits text
+        real(folder)
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        tok.save(str(folder / "tokenizer.json"))
+
+    monkeypatch.setattr(manifest, "make_portable", rewritten)
+    with pytest.raises(CheckpointError, match="saved tokenizer does not reload to the ids"):
+        sl.save(loaded, report, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(manifest, "make_portable", real)
+    checks = json.loads((sl.save(loaded, report, tmp_path / "out") / "spap_manifest.json").read_text())["checks"]
+    assert checks["tokenizer_reloads"] and checks["tokenizer"] == tokenizer_digest(loaded.tokenizer)
+
+
+def test_a_tokenizer_stock_loading_rebuilds_otherwise_is_refused_at_save(tmp_path, windows, tiny_tokenizer,
+                                                                         byte_tokenizer):
+    """transformers 5 reads a qwen2 checkpoint's tokenizer as ``Qwen2Tokenizer`` whatever class it was saved with: a
+    word-level tokenizer comes back giving other ids, so the save is refused naming both classes; a byte-level
+    BPE one (what Qwen2 models ship) is saved."""
+    import torch
+    from conftest import tiny_model
+
+    from spap_lib.errors import CheckpointError
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.adapters import get_adapter
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+
+    model = tiny_model("qwen2")
+    loaded = Loaded(model, tiny_tokenizer, get_adapter(model), ModelSource("tiny-qwen2", "dir", "-"),
+                    torch.device("cpu"))
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    report = sl.prune(loaded, calib, "magnitude", 0.25, progress=False)
+    with pytest.raises(CheckpointError, match="reads it as Qwen2Tokenizer, which gives .* where the "
+                                              "TokenizersBackend gives"):
+        sl.save(loaded, report, tmp_path / "word")
+    assert not (tmp_path / "word").exists()
+    loaded.tokenizer = byte_tokenizer
+    assert json.loads((sl.save(loaded, report, tmp_path / "bpe") / "spap_manifest.json").read_text())["checks"][
+        "tokenizer_reloads"]
+
+
 def test_the_digest_record_is_never_trusted_for_other_content(tmp_path, monkeypatch):
     from spap_lib import keys
 

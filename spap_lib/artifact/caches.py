@@ -1,8 +1,8 @@
 """What one run hands to the next: the calibration windows and the dense perplexity (``01_calibrate``), and the
 dense statistics a grid's jobs share (``jobs``), each reused only when its key matches: the model's content
-(``keys.source_key``: weights, config, tokenizer), the data's checksum, the sizes and seed or the evaluation
-protocol, and the code that computed it. A cache that is damaged (cut short, not spap's) or of another key is
-computed again, never reused."""
+(``keys.source_key``: weights, config, tokenizer files), the tokenizer built from it (``keys.tokenizer_digest``),
+the data's checksum, the sizes and seed or the evaluation protocol, and the code that computed it. A cache that is
+damaged (cut short, not spap's) or of another key is computed again, never reused."""
 from __future__ import annotations
 
 import hashlib
@@ -23,8 +23,9 @@ from spap_lib.model.loading import Loaded
 
 
 def calibration_key(loaded: Loaded, nsamples: int, seqlen: int, seed: int) -> dict:
-    return {"model": keys.source_key(loaded.source), "data": calibration_text().source, "nsamples": nsamples,
-            "seqlen": seqlen, "seed": seed, "code": keys.code_digest(data_module)}
+    return {"model": keys.source_key(loaded.source), "tokenizer": keys.tokenizer_digest(loaded.tokenizer),
+            "data": calibration_text().source, "nsamples": nsamples, "seqlen": seqlen, "seed": seed,
+            "code": keys.code_digest(data_module)}
 
 
 def _unusable(path: Path, err: Exception) -> None:
@@ -94,8 +95,9 @@ def dense_perplexity(loaded: Loaded, eval_seqlen: int, eval_windows: int | None,
 
     ``cache`` is the ``dense.json`` that ``01_calibrate`` writes (with parameter counts and versions).
     """
-    key = {"model": keys.source_key(loaded.source), "data": wikitext("test").source, "eval_seqlen": eval_seqlen,
-           "eval_windows": eval_windows, "code": keys.code_digest(perplexity_module)}
+    key = {"model": keys.source_key(loaded.source), "tokenizer": keys.tokenizer_digest(loaded.tokenizer),
+           "data": wikitext("test").source, "eval_seqlen": eval_seqlen, "eval_windows": eval_windows,
+           "code": keys.code_digest(perplexity_module)}
     path = Path(cache) if cache else None
     if path is not None and path.is_file():
         try:

