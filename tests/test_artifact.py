@@ -299,6 +299,7 @@ RESULT_COLUMNS = {
                     "speedup", "bytes_bound"},
 }
 RESULT_COLUMNS["profile_slicegpt.csv"] = RESULT_COLUMNS["profile.csv"]
+RESULT_COLUMNS["tokenizer_split.csv"] = RESULT_COLUMNS["ablation.csv"] | {"tokenizer"}
 
 
 @pytest.mark.parametrize("name", sorted(RESULT_COLUMNS))
