@@ -102,13 +102,13 @@ def _prune(a) -> dict | None:
     from spap_lib.numerics.collective import barrier
     from spap_lib.pipeline import distributed
 
-    a.round_to = _round_to(a)  # before the run's check, which reads the multiple
     w, device = distributed.start(a.device)  # one rank of several under torchrun; else this process alone
     out = Path(a.out).expanduser()
     evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
     job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
                        seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=device, out_dir=a.out,
                        overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
+    a.round_to = job.round_to  # "auto" or a format's name, as the check resolved it
     _ranks_agree(a, job, w)
     working, saved = save_dtypes(a.save_dtype, job.config, pick_device(device), job.offload)
     if w.rank == 0:
@@ -162,13 +162,14 @@ def _plan(a) -> str:
     from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
     from spap_lib.model.sources import known_models
-    from spap_lib.plan import THROUGHPUT, available_host_gb, layer_shapes, local_device, model_config, plan
+    from spap_lib.pipeline.blocks import resolve_round_to
+    from spap_lib.plan import THROUGHPUT, available_host_gb, layer_shapes, local_device, mlp_width, model_config, plan
     from spap_lib.validate import check_config
 
     if a.list or not a.model:
         return "models: " + " ".join(known_models()) + "\nplanning devices: " + " ".join(THROUGHPUT)
     config, method = model_config(a.model), get_method(a.method)
-    a.round_to = _round_to(a, config)
+    a.round_to = resolve_round_to(a.round_to, mlp_width(config), method.pipeline == "layers")
     # what spap prune refuses from the config (a window past the context, a sparsity that removes no channel or
     # every one) is refused here too: a plan of a run that cannot start says nothing
     check_config(a.model, config, method, a.sparsity, {"seqlen": a.seqlen, "eval_seqlen": a.eval_seqlen},
@@ -225,21 +226,6 @@ def _eval(a) -> dict:
         add_evaluation(local, {"task": "wikitext2 perplexity", "value": result["ppl"], "command": command(a.argv),
                                "protocol": f"{result['windows']} windows of {result['seqlen']} tokens"})
     return {"model": a.model, **result}
-
-
-def _round_to(a, config=None) -> int | None:
-    """``--round-to`` as a multiple: a format's name becomes its block size, ``auto`` the default for the model's MLP
-    width (``blocks.auto_round_to``: 32 on a real model) where the method keeps MLP channels layer by layer; a
-    whole-model method (SliceGPT) keeps its own dimensions. ``config``: the model's, where the caller has read it."""
-    from spap_lib.methods import get_method
-    from spap_lib.pipeline.blocks import auto_round_to, round_to_value
-    from spap_lib.plan import mlp_width, model_config
-
-    if str(a.round_to).strip().lower() != "auto":
-        return round_to_value(a.round_to)
-    if get_method(a.method).pipeline != "layers":  # no MLP channels kept
-        return None
-    return auto_round_to(mlp_width(config if config is not None else model_config(a.model)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from spap_lib.artifact.checkpoint import protected
 from spap_lib.artifact.manifest import check_out_dir
 from spap_lib.checks import Spec, check_sparsity, check_values, fits_context
 from spap_lib.errors import OutputError, ParameterError, current_surface, option
+from spap_lib.evaluation.data import check_available
 from spap_lib.methods import Method, get_method
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.loading import context_length, pick_device, read_config
@@ -27,9 +28,9 @@ from spap_lib.model.sources import ModelSource, resolve
 from spap_lib.model.stores import SafetensorsStore
 from spap_lib.numerics import bf16
 from spap_lib.pipeline import resume
-from spap_lib.pipeline.blocks import round_to_value, width_note
+from spap_lib.pipeline.blocks import AUTO, AUTO_MIN_WIDTH, is_auto, resolve_round_to, round_to_value, width_note
 from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
-from spap_lib.plan import Plan, available_host_gb, local_device, plan, size
+from spap_lib.plan import Plan, available_host_gb, local_device, mlp_width, plan, size
 
 
 @dataclass
@@ -44,6 +45,8 @@ class RunCheck:
     out_state: str | None = None  # "new", "empty" or "checkpoint" (replaced: overwrite=True)
     memory_time: Plan | None = None  # the plan's peak memory and time (``spap_lib.plan``)
     offload: str = "none"  # resolved: "auto" becomes the fastest mode the plan says fits
+    round_to: int | None = None  # resolved: a format's name becomes its block, "auto" the model's default
+    round_to_auto: bool = False  # ``round_to`` came from "auto"
 
     def summary(self) -> str:
         lines = [f"model {self.source.name}: {self.config.model_type} from {self.source.kind} {self.source.path}, "
@@ -58,8 +61,12 @@ class RunCheck:
             lines.append(f"remove {p.n_remove} of {p.width} MLP channels per layer{'' if uniform else ' on average'} "
                          f"({p.mlp_ratio:.1%} of channels; MLP = {p.mlp_share:.1%} of decoder params)")
             if p.round_to is not None:
-                lines.append(f"round_to {p.round_to}: kept width {p.width - p.n_remove}, {p.achieved:.2%} of the "
-                             f"decoder's parameters removed for the {p.sparsity:.0%} requested")
+                lines.append(f"round_to {p.round_to}{' (auto)' * self.round_to_auto}: kept width "
+                             f"{p.width - p.n_remove}, {p.achieved:.2%} of the decoder's parameters removed for the "
+                             f"{p.sparsity:.0%} requested")
+            elif self.round_to_auto:
+                lines.append(f"round_to auto: the method's own widths (auto rounds to {AUTO} an MLP of "
+                             f"{AUTO_MIN_WIDTH} or more that {AUTO} divides)")
             if uniform and (note := width_note([p.width - p.n_remove])):
                 lines.append(note)
         if not uniform:
@@ -101,7 +108,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
                  ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
                  ("seed", seed, Spec(int, ge=0)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("overwrite", overwrite, Spec(bool)), ("hparams", hparams, Spec(dict, optional=True)))
-    round_to = round_to_value(round_to)  # a format's name (q4_k_m) becomes its block size
+    auto, round_to = is_auto(round_to), None if is_auto(round_to) else round_to_value(round_to)  # q4_k_m: 256
     check_offload(offload)
     bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
     algo = get_method(method, **(hparams or {})) if method is not None else None
@@ -119,9 +126,11 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
+    if auto:
+        round_to = resolve_round_to("auto", mlp_width(config), algo is None or algo.pipeline == "layers")
     context, sparsity_plan = check_config(model, config, algo, sparsity, {"seqlen": seqlen, "eval_seqlen": eval_seqlen},
                                           {"round_to": round_to, "propagate": propagate, "resume_dir": resume_dir})
-    check = RunCheck(source, config, context, algo, sparsity_plan)
+    check = RunCheck(source, config, context, algo, sparsity_plan, round_to=round_to, round_to_auto=auto)
     if sparsity is not None:
         layers = algo is None or algo.pipeline == "layers"  # else the method's own sparsity, no memory plan yet
         if algo is not None and sparsity > 0:
@@ -145,6 +154,7 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     if offload != "auto":
         check.offload = offload
     check.out_state = out_state
+    check_available(calibration=bool(nsamples), evaluation=eval_seqlen is not None)  # last: the cheaper checks first
     return check
 
 

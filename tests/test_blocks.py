@@ -69,3 +69,17 @@ def test_spap_plan_prices_the_width_prune_keeps_by_default_and_says_what_it_cost
     assert ("--round-to q4_k_m (a multiple of 256) avoids it" in out) == ("q4_k_m" not in args)
     assert main(["plan", "smollm2-135m", "--method", "slicegpt", "--nsamples", "8", "--seqlen", "256"]) == 0
     assert "kept MLP width" not in capsys.readouterr().out  # SliceGPT keeps no MLP channels: auto is its own
+
+
+def test_the_run_check_resolves_auto_from_the_config_it_reads_and_says_so():
+    """``spap prune`` hands ``--round-to`` to ``sl.check_run`` as typed: the check resolves ``auto`` from the config
+    it reads anyway, and the summary printed before the prune says where the multiple came from."""
+    import spap_lib as sl
+
+    job = sl.check_run("smollm2-135m", method="fasp", sparsity=0.2, round_to="auto", device="cpu")
+    assert job.round_to == 32 and job.round_to_auto
+    assert "round_to 32 (auto): kept width 1120" in job.summary()
+    assert sl.check_run("smollm2-135m", method="fasp", sparsity=0.2, round_to="q8_0", device="cpu").summary() \
+        .count("round_to 32: kept width 1120") == 1
+    assert sl.check_run("smollm2-135m", method="slicegpt", sparsity=0.2, round_to="auto", device="cpu").round_to \
+        is None

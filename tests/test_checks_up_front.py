@@ -149,3 +149,19 @@ def test_a_save_dtype_an_offloaded_run_cannot_cast_is_refused(half_checkpoint, t
                  *TINY), "--save-dtype float16", "--offload none")
     refused(spap("prune", half_checkpoint, "--out", tmp_path / "o", "--save-dtype", "int8", *TINY), "int8")
     assert not no_load
+
+
+def test_missing_calibration_or_test_text_is_refused_before_loading(checkpoint, no_load, tmp_path, monkeypatch):
+    """No WikiText-2 where ``SPAP_DATA_DIR`` points and no hub: ``spap prune`` names the file it looked for and the
+    fix before the model is read (it used to find out after loading, at the calibration windows); ``--no-eval``
+    needs the calibration text only."""
+    monkeypatch.setenv("SPAP_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    refused(spap("prune", checkpoint, *TINY, "--out", out), "WikiText-2 validation split not found",
+            "wiki.valid.raw", "SPAP_DATA_DIR")
+    (tmp_path / "data" / "wikitext-2-raw-v1").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2-raw-v1" / "wiki.valid.raw").write_text(" = Valkyria = \n")
+    refused(spap("prune", checkpoint, *TINY, "--out", out), "WikiText-2 test split not found", "wiki.test.raw")
+    assert not no_load and not out.exists()
+    sl.check_run(str(checkpoint), method="fasp", sparsity=0.2, nsamples=4, seqlen=24, device="cpu")  # no evaluation

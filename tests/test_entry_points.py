@@ -218,6 +218,7 @@ def test_round_to_by_format_name_prunes_to_its_block_and_the_card_says_what_a_wi
     odd = spap("prune", checkpoint, "--method", "magnitude", "--sparsity", "0.2", "--out", tmp_path / "odd", *TINY)
     assert odd.returncode == 0, odd.stderr
     assert "not a multiple of 32" in odd.stdout and "--round-to q8_0" in odd.stdout  # before the prune: the summary
+    assert "round_to auto: the method's own widths (auto rounds to 32 an MLP of 512" in odd.stdout  # a tiny MLP
     assert "not a multiple of 32" in (tmp_path / "odd" / "README.md").read_text()
     named = spap("prune", checkpoint, "--method", "magnitude", "--sparsity", "0.2", "--round-to", "q8_0",
                  "--out", tmp_path / "named", *TINY)

@@ -56,11 +56,24 @@ def wikitext(split: str) -> Text:
 
         rows = load_dataset("wikitext", WIKITEXT, split=split)
         return Text("\n\n".join(rows["text"]), split, f"hub:wikitext/{WIKITEXT} fingerprint:{rows._fingerprint}")
-    raise FileNotFoundError(
-        f"WikiText-2 {split} split not found: looked for {local} and the hub is unreachable. "
-        f"Set SPAP_DATA_DIR to a directory holding {WIKITEXT}/{SPLIT_FILES[split]} "
+    raise _not_found(split)
+
+
+def _not_found(split: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"WikiText-2 {split} split not found: looked for {data_dir() / WIKITEXT / SPLIT_FILES[split]} and the hub is "
+        f"unreachable. Set SPAP_DATA_DIR to a directory holding {WIKITEXT}/{SPLIT_FILES[split]} "
         f"(see data/README.md), e.g. SPAP_DATA_DIR=../shared/data."
     )
+
+
+def check_available(calibration: bool, evaluation: bool) -> None:
+    """Before any model is read: the text a run will read is in the data directory or on a reachable hub (for
+    calibration the train split, else the validation split; for evaluation the test split)."""
+    needs = [("train", "validation")] * calibration + [("test",)] * evaluation
+    for splits in needs:
+        if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() for s in splits) and not hub_reachable():
+            raise _not_found(splits[-1])
 
 
 def calibration_text() -> Text:

@@ -44,6 +44,19 @@ def auto_round_to(width: int) -> int | None:
     return AUTO if width % AUTO == 0 and width >= AUTO_MIN_WIDTH else None
 
 
+def is_auto(round_to) -> bool:
+    return isinstance(round_to, str) and round_to.strip().lower() == "auto"
+
+
+def resolve_round_to(round_to: int | str | None, mlp_width: int, layers: bool) -> int | None:
+    """``round_to`` as a multiple (``round_to_value``); ``auto`` as ``auto_round_to`` of the model's ``mlp_width``
+    where the method keeps MLP channels layer by layer (``layers``), and no rounding for a whole-model method
+    (SliceGPT keeps its own dimensions)."""
+    if not is_auto(round_to):
+        return round_to_value(round_to)
+    return auto_round_to(mlp_width) if layers else None
+
+
 def round_to_value(round_to: int | str | None) -> int | None:
     """``round_to`` as a multiple: a whole number ``>= 1`` as it is (``"64"`` from a command line too), a format's
     name as its block size, ``None`` or ``"none"`` as no rounding (the method's own widths); anything else is
