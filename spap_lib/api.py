@@ -26,7 +26,7 @@ from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resol
 from spap_lib.numerics.memory import measured
 from spap_lib.pipeline.blocks import round_to_value
 from spap_lib.pipeline.distributed import record, share
-from spap_lib.pipeline.sequential import prune_model
+from spap_lib.pipeline.sequential import RunSettings, prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
 
 
@@ -84,9 +84,10 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
     torch.manual_seed(seed)
     start, stop = share(calib.windows.shape[0])  # every window in one process; this rank's share of several
     with measured(loaded.device) as memory:
+        settings = RunSettings(batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate, progress=progress)
         run = prune_model(loaded.model, loaded.adapter, calib.windows[start:stop], algo, plan, device=loaded.device,
-                          onloader=loaded.onloader, batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate,
-                          progress=progress, inputs=inputs, stats=stats, checkpoint=checkpoint) if work else \
+                          onloader=loaded.onloader, run=settings, inputs=inputs, stats=stats,
+                          checkpoint=checkpoint) if work else \
             {"propagate": algo.propagates if propagate is None else propagate, "seconds": 0.0, "resumed_at_layer": 0,
              "allocation_seconds": 0.0, "layers": [], "kept_channels": [list(range(plan.width))] * plan.layers}
     widths = [len(k) for k in run["kept_channels"]]

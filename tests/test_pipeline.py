@@ -10,6 +10,7 @@ from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
 from spap_lib.model.capture import Batching, first_layer_inputs, replay
 from spap_lib.numerics import bf16
+from spap_lib.pipeline.sequential import RunSettings
 
 FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
 
@@ -187,7 +188,7 @@ def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatc
     monkeypatch.setattr(pipeline, "first_layer_inputs", capture)
     monkeypatch.setattr(method, "prune", prune)
     plan = sl.plan_sparsity(loaded.adapter, 0.2)
-    sl.prune_model(loaded.model, loaded.adapter, windows, method, plan, device="cpu", progress=False)
+    sl.prune_model(loaded.model, loaded.adapter, windows, method, plan, device="cpu", run=RunSettings(progress=False))
     assert alive_at == {0: True, 1: False, 2: False}
 
 

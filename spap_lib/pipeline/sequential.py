@@ -7,7 +7,7 @@ layer sees dense activations (one pass per layer instead of two).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -112,20 +112,16 @@ def prune_model(
     *,
     device: torch.device | str,
     onloader: Onloader | None = None,
-    batch_size: int = 1,
-    chunk: int = 8192,
-    seed: int = 0,
-    propagate: bool | None = None,
-    progress: bool = True,
+    run: RunSettings = RunSettings(),
     inputs: tuple | None = None,
     stats: list[ChannelStats] | None = None,
     checkpoint=None,
 ) -> dict:
     """Prune every decoder layer's MLP in place.
 
-    ``propagate`` (default: the method's own setting) calibrates layer i+1 on the outputs of the
-    pruned layer i (SPAP, FASP) instead of the dense one. Score methods without propagation work
-    from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
+    ``run``: batching, seed and progress, and ``propagate`` (default: the method's own setting), which calibrates
+    layer i+1 on the outputs of the pruned layer i (SPAP, FASP) instead of the dense one. Score methods without
+    propagation work from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
     ``allocation`` is decided on dense statistics before the first layer is pruned.
     ``onloader`` (``spap_lib.model.offload``) says where weights wait between layers; default: resident.
     ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
@@ -135,9 +131,9 @@ def prune_model(
     ``checkpoint`` (``resume.LayerCheckpoint``): layer-by-layer pruning saves every finished layer there
     and resumes after the last one it finds (removed once the run completes).
     """
-    propagate = method.propagates if propagate is None else propagate
-    progress = progress and world().rank == 0  # one bar for a data-parallel prune
-    run = RunSettings(batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate, progress=progress)
+    propagate = method.propagates if run.propagate is None else run.propagate
+    run = replace(run, propagate=propagate, progress=run.progress and world().rank == 0)  # one bar for several ranks
+    batch_size = run.batch_size
     onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
     method.prepare(adapter)  # architecture checks before any work
     t0 = time.perf_counter()
