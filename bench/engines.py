@@ -75,16 +75,18 @@ def cells(s: Settings) -> dict[str, tuple[str, float, int]]:
     return named
 
 
-def checkpoint(s: Settings, run: Path, name: str, cell: tuple[str, float, int]) -> Path:
-    """The cell's checkpoint, made by ``spap prune`` unless one made with the same request is in ``run``."""
+def checkpoint(s: Settings, run: Path, name: str, cell: tuple[str, float, int], tokenizer: str) -> Path:
+    """The cell's checkpoint, made by ``spap prune`` unless one made with the same request and the same tokenizer
+    (``keys.tokenizer_digest`` of the source's, as ``sl.load`` builds it) is in ``run``."""
     method, sparsity, round_to = cell
     folder = run / "checkpoints" / name
     want = {"model": s.model, "method": method, "requested": sparsity, "round_to": round_to or None,
-            "nsamples": s.nsamples, "seqlen": s.seqlen}
+            "nsamples": s.nsamples, "seqlen": s.seqlen, "tokenizer": tokenizer}
     found = read_checkpoint_manifest(folder)
     if found and {"model": found["model"]["name"], "method": found["method"],
                   "requested": found["sparsity"]["requested"], "round_to": found["sparsity"]["round_to"],
-                  "nsamples": found["calibration"]["nsamples"], "seqlen": found["calibration"]["seqlen"]} == want:
+                  "nsamples": found["calibration"]["nsamples"], "seqlen": found["calibration"]["seqlen"],
+                  "tokenizer": found.get("checks", {}).get("tokenizer")} == want:
         return folder
     cmd = [sys.executable, "-m", "spap_lib.cli", "prune", s.model, "--method", method, "--sparsity", str(sparsity),
            "--nsamples", str(s.nsamples), "--seqlen", str(s.seqlen), "--no-eval", "--overwrite", "--device", "cpu",
@@ -110,58 +112,78 @@ def gguf_files(s: Settings, run: Path, name: str, folder: Path) -> dict[str, Pat
     return out
 
 
+def cached(path: Path, key: dict, compute) -> dict:
+    """``compute()``'s result, kept in ``path`` beside the ``key`` it was computed under and reused for that key
+    only; a damaged file is computed again."""
+    try:
+        old = json.loads(path.read_text()) if path.is_file() else None
+    except ValueError:
+        old = None
+    if isinstance(old, dict) and old.get("key") == key:
+        return old
+    out = {"key": key, **compute()}
+    write_json_atomic(path, out)
+    return out
+
+
+def fed(s: Settings, ids, prompts) -> dict:
+    """What every quality number is computed from: the settings and a digest of the token ids (another tokenizer's
+    ids are another measurement)."""
+    import hashlib
+
+    digest = hashlib.sha256(ids.numpy().tobytes())
+    for p in prompts:
+        digest.update(p.numpy().tobytes())
+    return {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows, "agree_prompts": s.agree_prompts,
+            "agree_tokens": s.agree_tokens, "ids_sha256": digest.hexdigest()[:16]}
+
+
 def transformers_reference(s: Settings, folder: Path, ids, prompts) -> dict:
     """transformers' perplexity of the checkpoint on the windows and its greedy tokens after each prompt (float32,
-    the checkpoint's own reload), cached beside the checkpoint with the settings it was taken at."""
-    import torch
+    the checkpoint's own reload), cached beside the checkpoint with what it was computed from."""
+    def compute():
+        import torch
 
-    import spap_lib as sl
+        import spap_lib as sl
 
-    cache, key = folder / "engines_reference.json", {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows,
-                                                     "agree_prompts": s.agree_prompts, "agree_tokens": s.agree_tokens}
-    if cache.is_file() and (old := json.loads(cache.read_text()))["key"] == key:
-        return old
-    loaded = sl.load(str(folder), device="cpu", dtype="float32")
-    ppl = sl.perplexity_of_ids(loaded.model, ids, s.eval_seqlen, s.eval_windows, progress=False)["ppl"]
-    with torch.no_grad():
-        greedy = [loaded.model.generate(p[None], max_new_tokens=s.agree_tokens, do_sample=False, min_new_tokens=
-                                        s.agree_tokens)[0, len(p):].tolist() for p in prompts]
-    ref = {"key": key, "ppl": ppl, "greedy": greedy}
-    write_json_atomic(cache, ref)
-    return ref
+        loaded = sl.load(str(folder), device="cpu", dtype="float32")
+        ppl = sl.perplexity_of_ids(loaded.model, ids, s.eval_seqlen, s.eval_windows, progress=False)["ppl"]
+        with torch.no_grad():
+            greedy = [loaded.model.generate(p[None], max_new_tokens=s.agree_tokens, do_sample=False,
+                                            min_new_tokens=s.agree_tokens)[0, len(p):].tolist() for p in prompts]
+        return {"ppl": ppl, "greedy": greedy}
+
+    return cached(folder / "engines_reference.json", fed(s, ids, prompts), compute)
 
 
 def engine_quality(s: Settings, path: Path, ids, prompts) -> dict:
     """llama.cpp's perplexity on the windows and its greedy tokens after each prompt, cached beside the file."""
-    import numpy as np
+    def compute():
+        import numpy as np
 
-    cache = path.with_suffix(".quality.json")
-    key = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows, "agree_prompts": s.agree_prompts,
-           "agree_tokens": s.agree_tokens, "file_mtime": path.stat().st_mtime}
-    if cache.is_file() and (old := json.loads(cache.read_text()))["key"] == key:
-        return old
-    llm = llamacpp.open_model(path, s.eval_seqlen, s.threads, logits_all=True, repack=s.repacks)
-    losses = []
-    for i in range(s.eval_windows):
-        window = ids[i * s.eval_seqlen:(i + 1) * s.eval_seqlen].tolist()
-        llm.reset()
-        llm.eval(window)
-        logits = np.asarray(llm.scores[:s.eval_seqlen - 1], dtype=np.float64)
-        top = logits.max(axis=1, keepdims=True)
-        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-        losses.append(float(np.mean(logz - logits[np.arange(s.eval_seqlen - 1), window[1:]])))
-    greedy = []
-    for prompt in prompts:
-        llm.reset()
-        llm.eval(prompt.tolist())
-        tokens = []
-        for _ in range(s.agree_tokens):
-            tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-            llm.eval([tokens[-1]])
-        greedy.append(tokens)
-    out = {"key": key, "ppl": float(np.exp(np.mean(losses))), "greedy": greedy}
-    write_json_atomic(cache, out)
-    return out
+        llm = llamacpp.open_model(path, s.eval_seqlen, s.threads, logits_all=True, repack=s.repacks)
+        losses = []
+        for i in range(s.eval_windows):
+            window = ids[i * s.eval_seqlen:(i + 1) * s.eval_seqlen].tolist()
+            llm.reset()
+            llm.eval(window)
+            logits = np.asarray(llm.scores[:s.eval_seqlen - 1], dtype=np.float64)
+            top = logits.max(axis=1, keepdims=True)
+            logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+            losses.append(float(np.mean(logz - logits[np.arange(s.eval_seqlen - 1), window[1:]])))
+        greedy = []
+        for prompt in prompts:
+            llm.reset()
+            llm.eval(prompt.tolist())
+            tokens = []
+            for _ in range(s.agree_tokens):
+                tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                llm.eval([tokens[-1]])
+            greedy.append(tokens)
+        return {"ppl": float(np.exp(np.mean(losses))), "greedy": greedy}
+
+    return cached(path.with_suffix(".quality.json"), {**fed(s, ids, prompts), "file_mtime": path.stat().st_mtime},
+                  compute)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -219,10 +241,13 @@ def rows(s: Settings, made: dict, quality: dict, speed: dict) -> pd.DataFrame:
 def measure(s: Settings, run: Path) -> pd.DataFrame:
     import spap_lib as sl
     from spap_lib.evaluation.data import tokenize
+    from spap_lib.keys import tokenizer_digest
+    from spap_lib.model.loading import load_tokenizer
 
     llamacpp.engine(), llamacpp.converter()  # refused in one line before any prune
     made = {"cells": cells(s), "files": {}, "manifests": {}, "references": {}}
-    folders = {name: checkpoint(s, run, name, cell) for name, cell in made["cells"].items()}
+    source = tokenizer_digest(load_tokenizer(sl.resolve(s.model)))
+    folders = {name: checkpoint(s, run, name, cell, source) for name, cell in made["cells"].items()}
     tokenizer = sl.load(str(folders["dense"]), device="cpu").tokenizer
     ids = tokenize(tokenizer, sl.wikitext("test").text)
     prompts = [ids[i * s.eval_seqlen:i * s.eval_seqlen + 64] for i in range(s.agree_prompts)]

@@ -19,7 +19,8 @@ from pathlib import Path
 import spap_lib as sl
 from spap_lib.files import REPO, write_json_atomic
 from spap_lib.keys import file_digest
-from spap_lib.model.gguf_tokenizer import gguf_string, with_own_pre_tokenizer
+from spap_lib.model.gguf_tokenizer import gguf_string
+from spap_lib.model.loading import load_tokenizer
 
 OUT = REPO / "tests" / "data" / "llamacpp_tokens.json"
 MODELS = ("smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b")
@@ -33,10 +34,7 @@ def gguf_tokenizers(source):
     """transformers' build of a GGUF's tokenizer, and spap's (the one ``sl.load`` returns)."""
     from transformers import AutoTokenizer
 
-    def build():
-        return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
-
-    return build(), with_own_pre_tokenizer(build(), source)
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file), load_tokenizer(source)
 
 
 def measure(name: str, text: str) -> dict:

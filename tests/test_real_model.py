@@ -115,13 +115,14 @@ print(json.dumps({"transformers": transformers.__version__, "tokens": len(ids),
 
 
 @pytest.mark.slow
-def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, oldest):
+def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, oldest, monkeypatch):
     """SmolLM2's GGUF names its pre-tokenizer ``smollm`` (digits one by one, then the byte-level split), which
     transformers' build leaves out. ``sl.load`` splits as the model does, and so does the tokenizer a pruned
     checkpoint is saved with: stock ``AutoTokenizer`` on the saved folder, in the pinned and in the oldest supported
     transformers, gives llama.cpp's ids of the whole WikiText-2 test text (tests/data/llamacpp_tokens.json,
     ``bench/tokens.py``; recomputed where llama.cpp is installed). The other offline models' GGUFs load with
-    llama.cpp's ids too, where they are present."""
+    llama.cpp's ids too, where they are present; each model has one tokenizer, whether read from its GGUF or from
+    the GGUF's conversion (``model.converted``), to its digest."""
     import hashlib
     import importlib.util
     import json
@@ -134,8 +135,9 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
     from transformers import AutoTokenizer
 
     from spap_lib.errors import SpapError
-    from spap_lib.keys import file_digest
-    from spap_lib.model.gguf_tokenizer import gguf_string, with_own_pre_tokenizer
+    from spap_lib.keys import file_digest, tokenizer_digest
+    from spap_lib.model.gguf_tokenizer import gguf_string
+    from spap_lib.model.loading import load_tokenizer
 
     reference = json.loads((Path(__file__).parent / "data" / "llamacpp_tokens.json").read_text())
     text = sl.wikitext("test")
@@ -144,10 +146,18 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
     def digest(ids):
         return {"tokens": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
 
+    def one_tokenizer(source):  # read from the conversion (where there is one) and from the GGUF file itself
+        converted = load_tokenizer(source)
+        with monkeypatch.context() as m:
+            m.setenv("SPAP_CACHE_DIR", "off")
+            assert tokenizer_digest(load_tokenizer(source)) == tokenizer_digest(converted), source.name
+        return converted
+
     loaded = sl.load("smollm2-135m", device="cpu")
     path = f"{loaded.source.path}/{loaded.source.gguf_file}"
     assert gguf_string(path, "tokenizer.ggml.pre") == GGUFReader(path).fields["tokenizer.ggml.pre"].contents()
     assert loaded.tokenizer.tokenize("a  1") == ["a", "ĠĠ", "1"]
+    assert tokenizer_digest(one_tokenizer(loaded.source)) == tokenizer_digest(loaded.tokenizer)
     report = sl.prune(loaded, sl.calibration_windows(loaded.tokenizer, 2, 64, 0), "magnitude", 0.2, progress=False)
     folder = sl.save(loaded, report, tmp_path / "pruned")
     saved = AutoTokenizer.from_pretrained(folder)
@@ -173,6 +183,5 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
             continue
         if name == "smollm2-135m" or file_digest(Path(source.path) / source.gguf_file) != want["gguf_sha256"]:
             continue
-        tokenizer = with_own_pre_tokenizer(AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file),
-                                           source)  # as sl.load builds it
+        tokenizer = one_tokenizer(source)  # as sl.load builds it, without the weights
         assert digest(tokenizer(text.text, add_special_tokens=False).input_ids) == want["llama_cpp"], name

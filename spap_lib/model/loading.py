@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -315,7 +316,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     memory; ``disk`` reads only embeddings, final norm and head now, decoder layers when they are
     used (pruned layers are spilled to a folder under ``spill_dir``, default the system temp dir).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     check_offload(offload)
     if offload == "auto":
@@ -338,8 +339,7 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
             return Loaded(model.eval(), with_own_pre_tokenizer(tokenizer, source), adapter, source, dev, onloader)
         # The tokenizer first: from a GGUF it parses the whole vocabulary into transient Python objects, which then
         # peak beside nothing rather than beside the weights (docs/scale.md: Same answer).
-        tokenizer = with_own_pre_tokenizer(AutoTokenizer.from_pretrained(cached) if cached is not None else
-                                           AutoTokenizer.from_pretrained(source.path, **extra), source)
+        tokenizer = load_tokenizer(source)
         if offload == "disk":
             model = _skeleton(source, dt)
             adapter = get_adapter(model)
@@ -358,6 +358,26 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
             adapter, onloader = _placed(model, offload, dev)
     model.eval()
     return Loaded(model, tokenizer, adapter, source, dev, onloader)
+
+
+def load_tokenizer(source: ModelSource):
+    """The tokenizer ``load`` gives ``source``, without its weights: a GGUF's from its conversion where there is one,
+    split as the model splits text (``gguf_tokenizer.with_own_pre_tokenizer``)."""
+    from transformers import AutoTokenizer
+
+    cached = _converted(source)
+    extra = {"gguf_file": source.gguf_file} if source.gguf_file and cached is None else {}
+    with readable(source):
+        tokenizer = AutoTokenizer.from_pretrained(cached if cached is not None else source.path, **extra,
+                                                  **_hub_kwargs(source))
+    if source.kind == "gguf" and cached is None:
+        # As its conversion and every checkpoint saved from it reload it: transformers' build from a GGUF and the
+        # tokenizer class's own build from the saved files differ (Qwen2's adds its NFC normalizer), and one model
+        # must have one tokenizer, whichever way it was loaded.
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+    return with_own_pre_tokenizer(tokenizer, source)
 
 
 def _placed(model: torch.nn.Module, offload: str, dev: torch.device) -> tuple[Adapter, Onloader]:
