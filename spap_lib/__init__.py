@@ -14,13 +14,13 @@ from spap_lib.methods import METHODS, get_method
 from spap_lib.model.adapters import MLP, get_adapter, supported_model_types
 from spap_lib.model.loading import load
 from spap_lib.model.sources import OFFLINE_DEFAULT, known_models, resolve
-from spap_lib.pipeline.sequential import prune_model
+from spap_lib.pipeline.sequential import RunSettings, prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
 from spap_lib.validate import check_run
 
 __version__ = "0.1.0"
 __all__ = [
-    "MLP", "METHODS", "OFFLINE_DEFAULT", "REPO", "CheckpointError", "NumericalError", "OutputError",
+    "MLP", "METHODS", "OFFLINE_DEFAULT", "REPO", "RunSettings", "CheckpointError", "NumericalError", "OutputError",
     "ParameterError", "SourceError", "SpapError", "calibration_windows", "check_notebook_parameters", "check_run",
     "data_dir", "dense_perplexity", "get_adapter", "get_calibration", "get_method", "known_models", "load",
     "perplexity", "perplexity_of_ids", "plan_sparsity", "prune", "prune_model", "prune_result",

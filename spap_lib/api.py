@@ -24,7 +24,7 @@ from spap_lib.model.loading import Loaded, context_length, load
 from spap_lib.numerics.collective import world
 from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
 from spap_lib.numerics.memory import measured
-from spap_lib.pipeline.blocks import round_to_value
+from spap_lib.pipeline.blocks import resolve_round_to
 from spap_lib.pipeline.distributed import record, share
 from spap_lib.pipeline.sequential import RunSettings, prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
@@ -49,8 +49,9 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
     check_values(("hparams", hparams, Spec(dict, optional=True)), ("seed", seed, Spec(int, ge=0)),
                  ("batch_size", batch_size, Spec(int, ge=1)), ("propagate", propagate, Spec(bool, optional=True)),
                  ("chunk", chunk, Spec(int, ge=1)))
-    round_to = round_to_value(round_to)  # a number, or a format's block size (``pipeline.blocks``)
     algo = get_method(method, **(hparams or {}))
+    # a number, a format's block size, or "auto": the default for this model's MLP width (``pipeline.blocks``)
+    round_to = resolve_round_to(round_to, loaded.adapter.width(loaded.adapter.layers()[0]), algo.pipeline == "layers")
     work = check_sparsity(sparsity) > 0  # sparsity 0: the dense model unchanged, whatever the method
     if work:
         algo.check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)

@@ -83,3 +83,25 @@ def test_the_run_check_resolves_auto_from_the_config_it_reads_and_says_so():
         .count("round_to 32: kept width 1120") == 1
     assert sl.check_run("smollm2-135m", method="slicegpt", sparsity=0.2, round_to="auto", device="cpu").round_to \
         is None
+
+
+def test_the_api_and_02_take_auto_as_the_command_line_does(windows):
+    """``sl.prune(round_to="auto")`` (02's ``-p round_to auto``) rounds as ``spap prune`` does: a 512-wide MLP keeps a
+    multiple of 32, and a whole-model method its own dimensions."""
+    import torch
+    from conftest import _configs
+    from transformers import AutoModelForCausalLM
+
+    import spap_lib as sl
+    from spap_lib.evaluation.data import Calibration
+    from spap_lib.model.loading import Loaded
+    from spap_lib.model.sources import ModelSource
+
+    config = _configs()["llama"]
+    config.intermediate_size = 512
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
+    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    report = sl.prune(loaded, calib, "magnitude", 0.2, round_to="auto", progress=False)
+    assert report["sparsity"]["round_to"] == 32 and report["sparsity"]["mlp_width"]["pruned"] % 32 == 0

@@ -56,7 +56,7 @@ def test_committed_headline_cells_reproduce():
     assert cells.index.is_unique, "results/ablation.csv holds the same SmolLM2 32 x 512 cell twice"
     dense_row, fasp_row = cells.loc[("dense", 0.0)], cells.loc[("fasp", 0.2)]
     loaded = sl.load("smollm2-135m", device="cpu")
-    assert rebuilt(loaded.tokenizer)
+    assert rebuilt(loaded.tokenizer) and "tokenizer" not in table.columns  # the rows record no tokenizer
     assert not same_tokenizer(grid, tokenizer_digest(loaded.tokenizer), rebuilt=True).any()  # stale: run again
     tokenizer = AutoTokenizer.from_pretrained(loaded.source.path, gguf_file=loaded.source.gguf_file)
     assert same_tokenizer(grid, tokenizer_digest(tokenizer), rebuilt=False).all()
@@ -146,7 +146,7 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
     def digest(ids):
         return {"tokens": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
 
-    def one_tokenizer(source):  # read from the conversion (where there is one) and from the GGUF file itself
+    def one_tokenizer(source):  # read from its conversion, where the cache holds one, and from the GGUF itself
         converted = load_tokenizer(source)
         with monkeypatch.context() as m:
             m.setenv("SPAP_CACHE_DIR", "off")

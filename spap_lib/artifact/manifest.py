@@ -196,7 +196,8 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
         make_portable(tmp)  # the fields older transformers read, beside the new ones
         for name, obj in (extra_files or {}).items():  # text as it is (the model card), anything else as JSON
             (write_text_atomic if isinstance(obj, str) else write_json_atomic)(tmp / name, obj)
-        checks = {**(check(tmp) if check else {}), **check_saved_tokenizer(tokenizer, tmp)}
+        checks = check_saved_tokenizer(tokenizer, tmp)  # the cheaper check first
+        checks.update(check(tmp) if check else {})
         files = sorted({p.name for p in tmp.iterdir()} | {MANIFEST})
         write_json_atomic(tmp / MANIFEST, {**manifest_fields, "checks": checks,
                                            "spap_checkpoint": {"format": CHECKPOINT_FORMAT, "files": files,
@@ -221,6 +222,6 @@ def check_saved_tokenizer(tokenizer, folder: Path) -> dict:
         raise CheckpointError(
             f"the saved tokenizer does not reload to the ids the model was measured with: stock AutoTokenizer reads "
             f"it as {type(reloaded).__name__}, which gives {len(got)} ids where the {type(tokenizer).__name__} gives "
-            f"{len(want)} on a probe text; it was not installed. Prune with a tokenizer that transformers loads for "
-            "this architecture (the model's own, as published with it)")
+            f"{len(want)} on a probe text, so no checkpoint is saved with it. Prune with a tokenizer that "
+            "transformers loads for this architecture (the model's own, as published with it)")
     return {"tokenizer": tokenizer_digest(tokenizer), "tokenizer_reloads": True}

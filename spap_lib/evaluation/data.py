@@ -59,11 +59,12 @@ def wikitext(split: str) -> Text:
     raise _not_found(split)
 
 
-def _not_found(split: str) -> FileNotFoundError:
+def _not_found(*splits: str) -> FileNotFoundError:
+    files = " or ".join(f"{WIKITEXT}/{SPLIT_FILES[s]}" for s in splits)
     return FileNotFoundError(
-        f"WikiText-2 {split} split not found: looked for {data_dir() / WIKITEXT / SPLIT_FILES[split]} and the hub is "
-        f"unreachable. Set SPAP_DATA_DIR to a directory holding {WIKITEXT}/{SPLIT_FILES[split]} "
-        f"(see data/README.md), e.g. SPAP_DATA_DIR=../shared/data."
+        f"WikiText-2 {' or '.join(splits)} split not found: looked for "
+        f"{' and '.join(str(data_dir() / WIKITEXT / SPLIT_FILES[s]) for s in splits)} and the hub is unreachable. "
+        f"Set SPAP_DATA_DIR to a directory holding {files} (see data/README.md), e.g. SPAP_DATA_DIR=../shared/data."
     )
 
 
@@ -73,7 +74,7 @@ def check_available(calibration: bool, evaluation: bool) -> None:
     needs = [("train", "validation")] * calibration + [("test",)] * evaluation
     for splits in needs:
         if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() for s in splits) and not hub_reachable():
-            raise _not_found(splits[-1])
+            raise _not_found(*splits)
 
 
 def calibration_text() -> Text:
