@@ -26,6 +26,10 @@ class SourceError(SpapError, ValueError):
     """A model source that cannot be used as given: incomplete, truncated, or not matching its config."""
 
 
+class ModelNotInstalled(SpapError, FileNotFoundError):
+    """An offline model alias whose PyPI package is not installed here (the message names the install command)."""
+
+
 class OutputError(SpapError, ValueError):
     """An output path spap refuses to write (foreign directory, source model, not writable, no space)."""
 

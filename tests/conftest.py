@@ -31,6 +31,19 @@ def _configs():
 ARCHS = ["opt", "llama", "qwen2", "gemma3"]
 
 
+def offline_model(alias: str):
+    """An offline model alias resolved (``sl.resolve``), or the test skipped with the reason and the command that
+    installs it: an optional model (the Qwen one, ``make setup-qwen``) is absent on a machine set up by ``make
+    setup`` alone, as CI's is."""
+    from spap_lib.errors import ModelNotInstalled
+    from spap_lib.model.sources import resolve
+
+    try:
+        return resolve(alias)
+    except ModelNotInstalled as err:
+        pytest.skip(f"{alias} is not installed here: {err}")
+
+
 def char_tokenizer():
     """A tokenizer that splits text into characters: WikiText-2's windows give varied activations (a word-level
     tokenizer of a few words maps it all to one unknown token, and the Gram matrices to rank one)."""

