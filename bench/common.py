@@ -25,7 +25,8 @@ def random_checkpoint(alias: str, layers: int, device: torch.device, shrink: dic
     from transformers import AutoModelForCausalLM
 
     from spap_lib.files import REPO, atomic_dir
-    from spap_lib.model.loading import pick_dtype, read_config
+    from spap_lib.model.dtypes import pick_dtype
+    from spap_lib.model.loading import read_config
     from spap_lib.model.sources import resolve
     from spap_lib.plan import shipped_config
 

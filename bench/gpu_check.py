@@ -2,7 +2,8 @@
 
 On one GPU, in this order (each step's rows are written as they finish; a second call resumes after them):
 
-1. ``pytest -m gpu``;
+1. ``pytest -m gpu`` (with a bf16 and an fp16 hub-cache checkpoint pruned in bfloat16 at every offload and saved
+   in its own dtype);
 2. single decoder layers on random weights of the shipped configs' shapes (no model files) at 128 x 2048
    calibration tokens, each in its own process (its host peak its own): a LLaMA-3.1-8B layer with SPAP and FASP,
    resident and ``offload=cpu``, and a LLaMA-3.1-70B layer with SPAP and ``offload=cpu``, all under a 24 GB cap

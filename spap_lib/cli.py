@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
 def _prune(a) -> dict | None:
     import spap_lib as sl
     from spap_lib.artifact.card import command
-    from spap_lib.model.loading import cast_for_save, dtype_note, pick_device, save_dtypes
+    from spap_lib.model.dtypes import pick_dtype, run_dtypes
+    from spap_lib.model.loading import pick_device
     from spap_lib.numerics.collective import barrier
     from spap_lib.pipeline import distributed
 
@@ -110,9 +111,9 @@ def _prune(a) -> dict | None:
                        overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
     a.round_to = job.round_to  # "auto" or a format's name, as the check resolved it
     _ranks_agree(a, job, w)
-    working, saved = save_dtypes(a.save_dtype, job.config, pick_device(device), job.offload)
+    dtypes = run_dtypes(a.save_dtype, job.source, job.config, pick_dtype("auto", pick_device(device)))
     if w.rank == 0:
-        print(job.summary() + "\n" + dtype_note(job.config, working, saved), flush=True)
+        print(job.summary() + "\n" + dtypes.note(), flush=True)
     loaded = sl.load(a.model, device=device, offload=job.offload, spill_dir=out.parent)
     calib = sl.get_calibration(loaded, a.nsamples, a.seqlen, a.seed)
     distributed.agree("calibration", calib.describe())  # the same windows, of which each rank takes its share
@@ -121,12 +122,13 @@ def _prune(a) -> dict | None:
         ppl["dense"] = sl.dense_perplexity(loaded, a.eval_seqlen, a.eval_windows)
     report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to,
                       resume_dir=a.resume_dir, clear_resume=False)  # kept until the checkpoint is installed
+    loaded.onloader.round_weights(dtypes.saved)  # what the checkpoint will hold: its perplexity is measured
     if not a.no_eval:
         ppl["pruned"] = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows,
                                       onloader=loaded.onloader)
     report["perplexity"] = ppl
     report["plan"] = job.memory_time.as_dict() if job.memory_time else None
-    report["dtype"] = cast_for_save(loaded, job.config, working, saved)
+    report["dtype"] = dtypes.as_dict()  # sl.save writes the weights in report["dtype"]["saved"]
     barrier()  # every rank has finished its layers: only then is anything installed
     if w.rank == 0:
         sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))

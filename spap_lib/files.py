@@ -229,3 +229,15 @@ def cache_dir() -> Path:
     if os.environ.get("SPAP_CACHE"):
         return Path(os.environ["SPAP_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "spap"
+
+
+def hub_snapshot(repo: str) -> Path | None:
+    """The folder of ``repo``'s snapshot in the local hub cache (huggingface_hub's look-up under ``HF_HOME``; no
+    network), or None where it is not cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo, "config.json")
+    except Exception:  # noqa: BLE001 - an id the cache cannot hold: loading names the problem
+        return None
+    return Path(found).parent if isinstance(found, str) else None

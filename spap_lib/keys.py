@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from spap_lib.errors import SourceError
-from spap_lib.files import cache_dir, locked, write_json_atomic
+from spap_lib.files import cache_dir, hub_snapshot, locked, write_json_atomic
 
 # Files of a checkpoint folder that describe it without deciding its model: spap's manifest and model card
 # (``spap eval`` appends its evaluations to them).
@@ -112,18 +112,8 @@ def source_key(source) -> str:
     elif source.kind == "dir":
         parts = folder_digests(source.path)
     else:
-        parts = {"hub": source.path, "snapshot": _hub_snapshot(source.path)}
+        parts = {"hub": source.path, "snapshot": getattr(hub_snapshot(source.path), "name", None)}
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _hub_snapshot(repo: str) -> str | None:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(repo, "config.json")
-    except Exception:  # noqa: BLE001 - no cache, no snapshot: the id alone
-        return None
-    return Path(found).parent.name if isinstance(found, str) else None
 
 
 def code_digest(*modules) -> str:

@@ -190,3 +190,60 @@ def oldest() -> Path:
                         "-r", str(pins)], check=True, timeout=600)
         tmp.rename(target)
     return target
+
+
+# -- a Hugging Face hub cache as huggingface_hub lays it out (tests/hubcache.py) ------------------------------------
+DATA = Path(os.environ.get("SPAP_DATA_DIR", Path(__file__).resolve().parents[1] / "data"))  # offline_hub hides it
+HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@pytest.fixture(scope="session")
+def hub_home(tmp_path_factory, byte_tokenizer) -> Path:
+    """``HF_HOME`` with a hub cache of tiny models, one per architecture and half dtype (``tiny-org/<arch>-<dtype>``),
+    ``Qwen/Qwen2.5-0.5B`` (a tiny qwen2 under the id the alias names) and WikiText-2."""
+    from hubcache import add_model, add_wikitext
+
+    home = tmp_path_factory.mktemp("hf-home")
+    for arch in ARCHS:
+        for name, dtype in HALF.items():
+            add_model(home / "hub", f"tiny-org/{arch}-{name}", tiny_model(arch), byte_tokenizer, dtype)
+    add_model(home / "hub", "Qwen/Qwen2.5-0.5B", tiny_model("qwen2"), byte_tokenizer, torch.bfloat16)
+    add_wikitext(home / "hub", DATA)
+    return home
+
+
+def use_hub_home(home: Path, tmp_path: Path, monkeypatch) -> None:
+    """``HF_HOME`` pointing at ``home``, ``HF_HUB_OFFLINE=1``, and a data directory that does not exist: every file
+    comes from the cache (in this process and in the notebooks' kernels)."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))  # read when imported: this process's
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    monkeypatch.setenv("SPAP_DATA_DIR", str(tmp_path / "no-data-dir"))
+
+
+@pytest.fixture
+def offline_hub(hub_home, tmp_path, monkeypatch) -> Path:
+    use_hub_home(hub_home, tmp_path, monkeypatch)
+    return hub_home
+
+
+@pytest.fixture(scope="session")
+def short_text(tmp_path_factory) -> Path:
+    """A data directory of WikiText-2's first lines: the prune matrix's runs each tokenize it three times, and it is
+    the model files they test (the text read from the cache is tested on its own)."""
+    from spap_lib.evaluation.data import SPLIT_FILES, WIKITEXT
+
+    folder = tmp_path_factory.mktemp("short-text") / WIKITEXT
+    folder.mkdir()
+    for task in DATA.iterdir():  # the zero-shot tasks as they are
+        if task.is_dir() and task.name != WIKITEXT:
+            (folder.parent / task.name).symlink_to(task)
+    for name in SPLIT_FILES.values():
+        if (DATA / WIKITEXT / name).is_file():
+            lines = (DATA / WIKITEXT / name).read_text(encoding="utf-8").splitlines(keepends=True)
+            (folder / name).write_text("".join(lines[:600]), encoding="utf-8")
+    return folder.parent

@@ -135,7 +135,7 @@ def test_a_half_precision_source_is_saved_in_its_own_dtype_with_a_note(half_chec
     out = tmp_path / "o"
     result = spap("prune", half_checkpoint, "--method", "magnitude", "--out", out, *TINY)
     assert result.returncode == 0, result.stderr[-1500:]
-    assert "computed in float32; saved as float16 (source float16)" in result.stdout
+    assert "computed in float32; saved as float16 (source float16 weights)" in result.stdout
     assert _saved_dtypes(out) == {"F16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
     kept = tmp_path / "o32"
@@ -144,9 +144,7 @@ def test_a_half_precision_source_is_saved_in_its_own_dtype_with_a_note(half_chec
     assert _saved_dtypes(kept) == {"F32"}
 
 
-def test_a_save_dtype_an_offloaded_run_cannot_cast_is_refused(half_checkpoint, tmp_path, no_load):
-    refused(spap("prune", half_checkpoint, "--out", tmp_path / "o", "--offload", "cpu", "--save-dtype", "float16",
-                 *TINY), "--save-dtype float16", "--offload none")
+def test_an_unknown_save_dtype_is_refused(half_checkpoint, tmp_path, no_load):
     refused(spap("prune", half_checkpoint, "--out", tmp_path / "o", "--save-dtype", "int8", *TINY), "int8")
     assert not no_load
 
@@ -166,3 +164,40 @@ def test_missing_calibration_or_test_text_is_refused_before_loading(checkpoint, 
     assert not no_load and not out.exists()
     with pytest.raises(AssertionError, match="the model was loaded"):  # every check passed: on to loading
         spap("prune", checkpoint, *TINY, "--out", out, "--no-eval")
+
+
+def test_the_source_dtype_is_read_from_the_weights_not_the_config(tmp_path, tiny_checkpoint):
+    """A config that says float16 over float32 weights: saved as float32, and the note says the config differs."""
+    path = tiny_checkpoint()
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+    out = tmp_path / "o"
+    result = spap("prune", path, "--method", "magnitude", "--out", out, *TINY)
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "saved as float32 (source float32 weights; its config says float16)" in result.stdout
+    assert _saved_dtypes(out) == {"F32"}
+
+
+@pytest.mark.parametrize("qtype,dtype", [("F16", torch.float16), ("BF16", torch.bfloat16), ("F32", torch.float32),
+                                         ("Q8_0", None)])
+def test_a_ggufs_dtype_is_that_of_most_of_its_weights(tmp_path, qtype, dtype):
+    """F16 and BF16 GGUFs are saved in their own dtype; a quantized one has none (saved in the working dtype). The
+    float32 norms every GGUF holds do not decide it."""
+    import gguf
+    import numpy as np
+
+    from spap_lib.model.dtypes import source_dtype
+    from spap_lib.model.sources import ModelSource
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    weight = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("blk.0.ffn_down.weight", gguf.quantize(weight, kind), raw_dtype=kind)
+    writer.add_tensor("blk.0.attn_norm.weight", np.ones(256, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    found, note = source_dtype(ModelSource("m", "gguf", str(tmp_path), "m.gguf"), config=None)
+    assert found == dtype
+    assert note == (f"GGUF {qtype}/F32, quantized" if dtype is None else f"{str(dtype)[6:]} GGUF")

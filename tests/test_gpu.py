@@ -1,8 +1,8 @@
 """The same invariants on CUDA (skipped where there is none: CI, this project's CPU machines).
 
 Run on a GPU machine with ``pytest -m gpu``: every method prunes the tiny models on the device,
-global allocation (which indexed CPU tensors with CUDA indices) works there, and the float32
-precision path keeps the float64 channels.
+global allocation (which indexed CPU tensors with CUDA indices) works there, the float32
+precision path keeps the float64 channels, and a bf16/fp16 hub checkpoint is saved in its own dtype.
 """
 import pytest
 import torch
@@ -110,3 +110,30 @@ def test_the_compiled_decode_gives_the_eager_tokens_on_cuda():
     eager = prof.time_generation(model, prompt, 16, repeats=1, warmup=0, decode="eager")
     assert auto["decode"] == "compiled" and auto["tokens"] == eager["tokens"]
     assert min(auto["decode_all"]) > 0 and auto["peak_mem_mb"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_precision_hub_checkpoint_is_pruned_on_cuda_and_saved_in_its_dtype(offline_hub, short_text, monkeypatch,
+                                                                                  tmp_path, dtype):
+    """The hub cache of tests/test_hub_cache.py on the device: computed in bfloat16, saved in the source's dtype at
+    every offload, the reload check within its tolerance at bf16 logits, and the three offloads' tensors equal."""
+    import json
+
+    from test_entry_points import spap
+    from test_hub_cache import MODES, STORED, _tensors
+
+    monkeypatch.setenv("SPAP_DATA_DIR", str(short_text))
+    saved = {}
+    for mode in MODES:
+        out = tmp_path / mode
+        result = spap("prune", f"tiny-org/llama-{dtype}", "--out", out, "--offload", mode, "--device", "cuda",
+                      "--nsamples", "4", "--seqlen", "24", "--eval-seqlen", "24", "--eval-windows", "2",
+                      "--hparams", '{"K": 3, "am_iters": 1, "adam_steps": 2}')
+        assert result.returncode == 0, result.stderr[-2000:]
+        checks = json.loads((out / "spap_manifest.json").read_text())["checks"]
+        assert checks["saved_dtype"] == dtype and checks["reloaded_dtype"] == "bfloat16"
+        assert checks["reload_max_abs_diff"] <= checks["reload_tolerance"]
+        saved[mode] = _tensors(out)
+        assert {str(t.dtype)[6:] for t in saved[mode].values()} == {dtype}, STORED[dtype]
+    for mode in MODES[1:]:
+        assert all(torch.equal(saved[mode][k], v) for k, v in saved["none"].items()), mode

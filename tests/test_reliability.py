@@ -323,9 +323,10 @@ def test_corrupt_gguf_is_named_as_corrupt(tmp_path):
 
 
 def test_local_looking_paths_are_not_tried_on_the_hub(tmp_path, monkeypatch):
-    from spap_lib.model import loading as models
+    import huggingface_hub
 
-    monkeypatch.setattr(models, "hub_reachable", lambda *a, **k: pytest.fail("tried the hub"))
+    for name in ("snapshot_download", "try_to_load_from_cache", "hf_hub_download"):
+        monkeypatch.setattr(huggingface_hub, name, lambda *a, **k: pytest.fail("tried the hub"))
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
     for name in ("runs/pruned", "./pruned", str(tmp_path / "a" / "b"), "~/no-such-model", "x/y/z", "m.gguf"):

@@ -3,6 +3,7 @@ reloads, the way users will load it, to the same logits; then the folder is inst
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,9 +18,10 @@ from spap_lib.artifact.manifest import (
     read_checkpoint_manifest,
     save_pruned,
 )
-from spap_lib.errors import CheckpointError
+from spap_lib.errors import CheckpointError, option
 from spap_lib.files import write_json_atomic, write_text_atomic
 from spap_lib.model.capture import streamed_logits
+from spap_lib.model.dtypes import dtype_name, run_dtypes, saved_dtype
 from spap_lib.model.formats import format_of_report
 from spap_lib.model.loading import Loaded, context_length, load_saved
 from spap_lib.model.offload import first_device, write_checkpoint_weights
@@ -53,14 +55,30 @@ def finite_logits(model, sample: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+@contextmanager
+def parameters_in(model, dtype: torch.dtype):
+    """The model's parameters cast to ``dtype`` while it is written, then back. Buffers are left alone: rotary
+    tables stay float32, as ``from_pretrained`` keeps them, so the checkpoint reloads to the model that was checked."""
+    cast = {p: p.dtype for p in model.parameters() if p.is_floating_point() and p.dtype != dtype}
+    before = model.config.dtype
+    for p in cast:
+        p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, working in cast.items():
+            p.data = p.data.to(working)  # exact: round_weights left only values ``dtype`` holds
+        model.config.dtype = before
+
+
 @torch.no_grad()
-def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor) -> dict:
+def check_reload(model, path: Path, sample: torch.Tensor, logits: torch.Tensor, saved: torch.dtype) -> dict:
     """Reload ``path`` the way users will (stock ``transformers`` for uniform widths, ``spap_lib.load``
-    for per-layer widths) and compare its logits with the in-memory model's."""
+    for per-layer widths), in the dtype the model computed in, and compare its logits with the in-memory model's."""
     reloaded, how = load_saved(path, model.dtype)
     reloaded.to(sample.device).eval()
     diff = float((reloaded(input_ids=sample, use_cache=False).logits - logits).abs().max())
-    return _reload_check(diff, model.dtype, how, sample)
+    return _reload_check(diff, model.dtype, saved, how, sample, logits)
 
 
 @torch.no_grad()
@@ -70,14 +88,15 @@ def _streamed_sample_logits(model, onloader, sample: torch.Tensor) -> torch.Tens
     return out[0]
 
 
-def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logits: torch.Tensor) -> dict:
+def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logits: torch.Tensor,
+                          saved: torch.dtype) -> dict:
     """The reload check of an offloaded model, within its memory: the written checkpoint is opened with
     ``offload="disk"`` (config and tensor names as stock loading reads them; every tensor required)
     and its logits, computed layer by layer, compared with those of the model that was saved."""
     from spap_lib.model.loading import load as load_model
 
-    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[loaded.model.dtype]
-    reloaded = load_model(str(path), device=str(loaded.device), dtype=dtype, offload="disk")
+    working = loaded.model.dtype
+    reloaded = load_model(str(path), device=str(loaded.device), dtype=dtype_name(working), offload="disk")
     try:
         # every name, a tied head's too (some transformers versions write it, stock loading ignores it)
         used = {n for n, _ in reloaded.model.named_parameters(remove_duplicate=False)}
@@ -88,17 +107,34 @@ def check_reload_streamed(loaded: Loaded, path: Path, sample: torch.Tensor, logi
         diff = float((_streamed_sample_logits(reloaded.model, reloaded.onloader, sample) - logits).abs().max())
     finally:
         reloaded.onloader.close()
-    return _reload_check(diff, loaded.model.dtype, "spap_lib.load(offload='disk')", sample)
+    return _reload_check(diff, working, saved, "spap_lib.load(offload='disk')", sample, logits)
 
 
-def _reload_check(diff: float, dtype: torch.dtype, how: str, sample: torch.Tensor) -> dict:
-    """The reload check's verdict: the reloaded logits within the dtype's tolerance of the saved model's
-    (float32: 1e-4; half precision: 1e-2), else the checkpoint is not installed."""
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
+def reload_tolerance(working: torch.dtype, scale: float) -> float:
+    """How far reloaded logits may be from the checked model's: the same weights in the same dtype differ only by
+    the order of a few sums, which grows with the logits' magnitude ``scale`` (float32: 1e-5 of it, at least
+    1e-4; half precision: two of the dtype's steps at that magnitude)."""
+    if working == torch.float32:
+        return max(1e-4, 1e-5 * scale)
+    return 2 * torch.finfo(working).eps * max(1.0, scale)
+
+
+def _reload_check(diff: float, working: torch.dtype, saved: torch.dtype, how: str, sample: torch.Tensor,
+                  logits: torch.Tensor) -> dict:
+    """The reload check's verdict: the reloaded logits within ``reload_tolerance`` of the saved model's, else the
+    checkpoint is not installed and the refusal names what to do."""
+    scale = float(logits.abs().max())
+    tol = reload_tolerance(working, scale)
     if not diff <= tol:
-        raise CheckpointError(f"the saved checkpoint does not reload to the same model (max |logit diff| {diff:.3g} "
-                              f"> {tol}); it was not installed")
-    return {"logits_finite": True, "reload_max_abs_diff": diff, "reloaded_with": how,
+        fix = (f"save it in the dtype it was computed in ({option('save_dtype', dtype_name(working))})"
+               if saved != working else "check the disk it was written to (free space, another writer)")
+        raise CheckpointError(
+            f"the saved checkpoint does not reload to the same model: max |logit diff| {diff:.3g} > {tol:.3g}, the "
+            f"tolerance for {dtype_name(working)} logits up to {scale:.3g}; it was not installed. To install it, "
+            f"{fix}; a run given {option('resume_dir', 'DIR')} keeps its pruned layers there, so rerunning it does "
+            "not prune again")
+    return {"logits_finite": True, "reload_max_abs_diff": diff, "reload_tolerance": tol, "reloaded_with": how,
+            "reloaded_dtype": dtype_name(working), "saved_dtype": dtype_name(saved),
             "sample_tokens": int(sample.numel())}
 
 
@@ -122,6 +158,9 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     atomically. ``out_dir`` must be new, empty or (``overwrite``) a previous spap checkpoint; it may
     not be the source model or any path in ``protect`` ({description: path}).
     """
+    if saved_dtype(report) is None:  # a report of sl.prune alone: saved in the source's dtype, as `spap prune` does
+        dtypes = run_dtypes("auto", loaded.source, loaded.model.config, loaded.model.dtype)
+        report = {**report, "dtype": dtypes.as_dict()}
     fields = manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
                          **extra)
     fmt = format_of_report(report)  # a registered layout's plan (a sliced stream's shapes), else kept channels
@@ -129,24 +168,27 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
             **({fmt.plan_key: report[fmt.plan_key]} if fmt else {"kept_channels": report["kept_channels"]})}
     protect = protected(loaded.source, **(protect or {}))
     check_out_dir(out_dir, overwrite=overwrite, protect=protect)  # before the sample pass
+    working, saved = loaded.model.dtype, saved_dtype(report)
+    loaded.onloader.round_weights(saved)  # the model in memory becomes the one the checkpoint holds
     if loaded.offload == "none":
         sample = _sample(loaded.model)
         logits = finite_logits(loaded.model, sample)  # before anything is written
-        check, write = (lambda tmp: check_reload(loaded.model, tmp, sample, logits)), None
-        if fmt is not None:
-            def write(tmp):
-                loaded.model.save_pretrained(tmp, safe_serialization=True)
-                fmt.mark(tmp, report[fmt.plan_key])
+        check = lambda tmp: check_reload(loaded.model, tmp, sample, logits, saved)  # noqa: E731
     else:  # offloaded: the same checks, one layer at a time
         sample = _sample(loaded.model).cpu()
         logits = _streamed_sample_logits(loaded.model, loaded.onloader, sample)
         if not bool(torch.isfinite(logits).all()):
             raise CheckpointError(f"the pruned model's logits are not finite (activations overflow in "
-                                  f"{loaded.model.dtype} or non-finite weights); it is not saved")
-        check = lambda tmp: check_reload_streamed(loaded, tmp, sample, logits)  # noqa: E731
-        write = (lambda tmp: write_checkpoint_weights(loaded.model, loaded.onloader, tmp)) \
-            if loaded.offload == "disk" else None
-    write = write or (lambda tmp: loaded.model.save_pretrained(tmp, safe_serialization=True))
+                                  f"{working} or non-finite weights); it is not saved")
+        check = lambda tmp: check_reload_streamed(loaded, tmp, sample, logits, saved)  # noqa: E731
+
+    def write(tmp):
+        if loaded.offload == "disk":
+            return write_checkpoint_weights(loaded.model, loaded.onloader, tmp, saved)
+        with parameters_in(loaded.model, saved):
+            loaded.model.save_pretrained(tmp, safe_serialization=True)
+        if fmt is not None:
+            fmt.mark(tmp, report[fmt.plan_key])
     files = {PLAN: plan, CARD: card.render(fields)}  # the model card: README.md, the Hub's conventions
     return save_pruned(write, loaded.tokenizer, out_dir, fields, extra_files=files, overwrite=overwrite,
                        protect=protect, check=check)

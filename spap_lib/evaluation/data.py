@@ -1,7 +1,8 @@
 """WikiText-2 raw: calibration windows and the evaluation token stream.
 
 Text comes from a local data directory when it holds the split (``$SPAP_DATA_DIR``, default the
-repo's ``data/``; layout in ``data/README.md``), else from the Hugging Face hub when reachable.
+repo's ``data/``; layout in ``data/README.md``), else from the dataset repo ``Salesforce/wikitext`` in the local
+Hugging Face hub cache (``HF_HOME``; a cluster's shared one, read with ``HF_HUB_OFFLINE=1``), else from the hub.
 Calibration wants the *train* split (as the paper); without it, it falls back to *validation* and
 says so in ``source``: every result records where its calibration text came from.
 """
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 from spap_lib.errors import ParameterError
-from spap_lib.model.sources import hub_reachable
 
 WIKITEXT = "wikitext-2-raw-v1"
+HUB_DATASET = "Salesforce/wikitext"  # where the hub's ``wikitext`` lives: parquet files, one folder per config
 
 
 SPLIT_FILES = {"train": "wiki.train.raw", "validation": "wiki.valid.raw", "test": "wiki.test.raw"}
@@ -41,7 +42,8 @@ class Text:
     text: str
     split: str
     # "local:wikitext-2-raw-v1/wiki.valid.raw sha256:<16 hex>" (relative to the data directory: results name
-    # the file and its content, not a machine's path) or "hub:wikitext/wikitext-2-raw-v1 fingerprint:<hex>"
+    # the file and its content, not a machine's path) or "hub:Salesforce/wikitext/wikitext-2-raw-v1@<commit>
+    # fingerprint:<hex>"
     source: str
 
 
@@ -51,29 +53,59 @@ def wikitext(split: str) -> Text:
     if local.is_file():
         digest = hashlib.sha256(local.read_bytes()).hexdigest()[:16]
         return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
-    if hub_reachable():
-        from datasets import load_dataset
+    from datasets import load_dataset
+    from huggingface_hub import is_offline_mode
 
-        rows = load_dataset("wikitext", WIKITEXT, split=split)
-        return Text("\n\n".join(rows["text"]), split, f"hub:wikitext/{WIKITEXT} fingerprint:{rows._fingerprint}")
-    raise _not_found(split)
+    if (files := _hub_cached(split)) is not None:  # the hub's files, read by datasets as the hub's loader reads them
+        rows = load_dataset("parquet", data_files={split: [str(f) for f in files]}, split=split)
+        commit = files[0].parent.parent.name
+    elif not is_offline_mode():
+        try:
+            rows, commit = load_dataset(HUB_DATASET, WIKITEXT, split=split), "main"
+        except (ConnectionError, OSError) as err:
+            raise _not_found(split, cause=f"the hub: {err}") from err
+    else:
+        raise _not_found(split)
+    return Text("\n\n".join(rows["text"]), split,
+                f"hub:{HUB_DATASET}/{WIKITEXT}@{commit[:12]} fingerprint:{rows._fingerprint}")
 
 
-def _not_found(*splits: str) -> FileNotFoundError:
+def _hub_cached(split: str) -> list[Path] | None:
+    """The split's parquet files in the local hub cache (huggingface_hub's look-up, no network), or None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(HUB_DATASET, repo_type="dataset", allow_patterns=[f"{WIKITEXT}/*"],
+                                        local_files_only=True))
+    except Exception:  # noqa: BLE001 - not in the cache
+        return None
+    return sorted((folder / WIKITEXT).glob(f"{split}-*.parquet")) or None
+
+
+def _not_found(*splits: str, cause: str = "") -> FileNotFoundError:
+    from huggingface_hub import constants
+
     files = " or ".join(f"{WIKITEXT}/{SPLIT_FILES[s]}" for s in splits)
+    hub = cause or ("the hub (not tried: HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the hub")
     return FileNotFoundError(
         f"WikiText-2 {' or '.join(splits)} split not found: looked for "
-        f"{' and '.join(str(data_dir() / WIKITEXT / SPLIT_FILES[s]) for s in splits)} and the hub is unreachable. "
-        f"Set SPAP_DATA_DIR to a directory holding {files} (see data/README.md), e.g. SPAP_DATA_DIR=../shared/data."
+        f"{' and '.join(str(data_dir() / WIKITEXT / SPLIT_FILES[s]) for s in splits)}, the dataset repo "
+        f"{HUB_DATASET} in the hub cache {constants.HF_HUB_CACHE} and {hub}. Set SPAP_DATA_DIR to a directory "
+        f"holding {files} (see data/README.md), e.g. SPAP_DATA_DIR=../shared/data, or HF_HOME to a hub cache "
+        f"holding {HUB_DATASET}."
     )
 
 
 def check_available(calibration: bool, evaluation: bool) -> None:
-    """Before any model is read: the text a run will read is in the data directory or on a reachable hub (for
-    calibration the train split, else the validation split; for evaluation the test split)."""
+    """Before any model is read: the text a run will read is in the data directory or the hub cache, or the hub
+    may be asked (not offline), for calibration the train split, else the validation split; for evaluation the
+    test split."""
+    from huggingface_hub import is_offline_mode
+
     needs = [("train", "validation")] * calibration + [("test",)] * evaluation
     for splits in needs:
-        if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() for s in splits) and not hub_reachable():
+        if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() or _hub_cached(s) for s in splits) \
+                and is_offline_mode():
             raise _not_found(*splits)
 
 

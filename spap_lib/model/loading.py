@@ -17,24 +17,18 @@ import torch
 from spap_lib.errors import ParameterError, SourceError, option
 from spap_lib.model import converted
 from spap_lib.model.adapters import Adapter, get_adapter, supported_model_types
+from spap_lib.model.dtypes import pick_dtype
 from spap_lib.model.formats import CheckpointFormat, format_of, register_format
 from spap_lib.model.gguf_tokenizer import with_own_pre_tokenizer
 from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_offload, load_base
 from spap_lib.model.sources import (
     ModelSource,
     check_weights,
-    hub_reachable,
     readable,
     resolve,
     stored_shapes,
 )
 from spap_lib.model.stores import GGUFStore, SafetensorsStore
-
-
-def _hub_kwargs(source: ModelSource) -> dict:
-    """Offline, read the local hub cache only: transformers would otherwise retry for a while (docs/reliability.md: a
-    hub id while the hub is unreachable)."""
-    return {"local_files_only": True} if source.kind == "hub" and not hub_reachable() else {}
 
 
 def load_saved(path: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
@@ -76,7 +70,7 @@ def read_config(source: ModelSource):
         if (fmt := format_of(raw)) is not None and fmt.read_config is not None:
             return fmt.read_config(raw)
     with readable(source):
-        config = AutoConfig.from_pretrained(source.path, **extra, **_hub_kwargs(source))
+        config = AutoConfig.from_pretrained(source.path, **extra)
     if getattr(config, "model_type", None) not in supported_model_types():
         raise SourceError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
                          f"spap supports {', '.join(supported_model_types())}")
@@ -115,65 +109,6 @@ def pick_device(device: str = "auto") -> torch.device:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ParameterError(f"device {device!r} requested but MPS (Apple GPUs) is not available here: {fix}")
     return dev
-
-
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto``: float32 on CPU (half-precision matmuls are slow and inexact there), bfloat16 on GPU."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    table = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    if dtype not in table:
-        raise ParameterError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(table)}")
-    return table[dtype]
-
-
-SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
-def save_dtypes(choice: str, config, device: torch.device, offload: str) -> tuple[torch.dtype, torch.dtype]:
-    """The dtype a run computes in (``pick_dtype("auto")``) and the one its checkpoint is saved in: ``auto`` is the
-    source's own dtype when it is half precision (a float16 source pruned on a CPU, in float32, is not saved at twice
-    its size), else the working dtype. An offloaded model's weights wait in host memory or spill files, which are
-    not cast, so there only a dtype that needs no cast is taken."""
-    if choice not in SAVE_DTYPES:
-        raise ParameterError(f"unknown save dtype {choice!r}; use one of {', '.join(SAVE_DTYPES)}")
-    working, source = pick_dtype("auto", device), source_dtype(config)
-    if choice == "auto":
-        half = source in (torch.float16, torch.bfloat16)
-        return working, source if half and offload == "none" else working
-    saved = pick_dtype(choice, device)
-    if saved != working and offload != "none":
-        raise ParameterError(f"{option('save_dtype', choice)} casts the pruned model, which an offloaded run "
-                             f"({option('offload', offload)}) cannot: use {option('offload', 'none')} or "
-                             f"{option('save_dtype', 'auto')} (saves {dtype_name(working)})")
-    return working, saved
-
-
-def source_dtype(config) -> torch.dtype | None:
-    """The dtype the source's weights were saved in, as its config records it; None where it does not say."""
-    dtype = getattr(config, "dtype", None)
-    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    return dtype if isinstance(dtype, torch.dtype) else None
-
-
-def dtype_note(config, working: torch.dtype, saved: torch.dtype) -> str:
-    """One line for a run's summary: ``weights computed in float32; saved as float16 (source float16)``."""
-    source = source_dtype(config)
-    return (f"weights computed in {dtype_name(working)}; saved as {dtype_name(saved)}"
-            + (f" (source {dtype_name(source)})" if source is not None else ""))
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def cast_for_save(loaded: Loaded, config, working: torch.dtype, saved: torch.dtype) -> dict:
-    """Cast the pruned model to the dtype it is saved in (``save_dtypes``), after its perplexities ran in the
-    working dtype; returns the report's ``dtype`` entry. ``config``: the source's, which names its dtype."""
-    entry = {"computed": dtype_name(working), "saved": dtype_name(saved), "note": dtype_note(config, working, saved)}
-    if saved != loaded.model.dtype:
-        loaded.model.to(saved)
-    return entry
 
 
 def _dequantize(source: ModelSource) -> dict:
@@ -272,10 +207,11 @@ def weight_store(source: ModelSource, skeleton: torch.nn.Module):
         return GGUFStore(Path(source.path) / source.gguf_file, skeleton)
     folder = Path(source.path)
     if source.kind == "hub":
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import is_offline_mode, snapshot_download
 
-        folder = Path(snapshot_download(source.path, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt"],
-                                        local_files_only=bool(_hub_kwargs(source))))
+        with readable(source):
+            folder = Path(snapshot_download(source.path, allow_patterns=["*.safetensors", "*.json", "*.model",
+                                                                         "*.txt"], local_files_only=is_offline_mode()))
     return SafetensorsStore(folder)
 
 
@@ -325,7 +261,6 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
-    extra.update(_hub_kwargs(source))
     raw = json.loads((Path(source.path) / "config.json").read_text()) if source.kind == "dir" else {}
     fmt = format_of(raw)
     if fmt is not None and fmt.resident_only and offload != "none":
@@ -369,7 +304,7 @@ def load_tokenizer(source: ModelSource):
     extra = {"gguf_file": source.gguf_file} if source.gguf_file and cached is None else {}
     with readable(source):
         tokenizer = AutoTokenizer.from_pretrained(cached if cached is not None else source.path, **extra,
-                                                  **_hub_kwargs(source))
+                                                  )
     if source.kind == "gguf" and cached is None:
         # As its conversion and every checkpoint saved from it reload it: transformers' build from a GGUF and the
         # tokenizer class's own build from the saved files differ (Qwen2's adds its NFC normalizer), and one model

@@ -23,6 +23,7 @@ Why not accelerate's ``cpu_offload``/``disk_offload`` hooks: they move weights a
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -105,6 +106,13 @@ class Onloader:
         """Everything but the decoder layers (embeddings, rotary tables, final norm, head) on the device."""
         yield
 
+    def round_weights(self, dtype: torch.dtype) -> None:
+        """Round every weight to a value ``dtype`` holds, kept in the working dtype: the model then computes what
+        its checkpoint, written in ``dtype``, computes when loaded in the working dtype. Idempotent."""
+        for p in self.model.parameters():
+            if not p.is_meta and p.is_floating_point() and p.dtype != dtype:
+                p.data.copy_(p.data.to(dtype))
+
     def _base_names(self):
         inside = self.prefix + "."
         # a meta tensor is an embedding left in the store (``EmbeddingRows``): its rows go where its input is
@@ -162,6 +170,7 @@ class DiskOffload(HostOffload):
         remove_dead_spills(root)
         self.spill = Path(tempfile.mkdtemp(prefix=f"{SPILL_PREFIX}{HOST}-{os.getpid()}-", dir=root))
         self._spilled: dict[int, SafetensorsStore] = {}
+        self._rounded_to: torch.dtype | None = None  # the dtype ``round_weights`` rewrote the spills in
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.spill, True)
 
     def activations(self, shape: tuple[int, ...], dtype: torch.dtype) -> SpilledActivations:
@@ -195,6 +204,19 @@ class DiskOffload(HostOffload):
         save_file(tensors, str(path), metadata={"format": "pt"})
         self._spilled[i] = SafetensorsStore(self.spill, [path])
 
+    def round_weights(self, dtype: torch.dtype) -> None:
+        """As ``Onloader.round_weights``; finished layers are rewritten in ``dtype`` (each spill file replaced
+        atomically), so the checkpoint links them as they are and every later onload reads the rounded values."""
+        super().round_weights(dtype)
+        rows = getattr(self.model.get_input_embeddings(), "spap_rows", None)
+        if rows is not None:
+            rows.rounding = dtype
+        if dtype in (self.dtype, self._rounded_to):
+            return  # the spills already hold these values, in the dtype they are saved in
+        for i, store in self._spilled.items():
+            self._spilled[i] = _respilled(store, i, dtype)
+        self._rounded_to = dtype
+
     def spilled(self, i: int) -> tuple[Path, set[str]] | None:
         """Layer ``i``'s spill file and the tensor names in it, once it is finished."""
         return (self._spilled[i].folder / f"layer-{i:05d}.safetensors", self._spilled[i].names()) \
@@ -202,6 +224,17 @@ class DiskOffload(HostOffload):
 
     def close(self) -> None:
         self._cleanup()
+
+
+def _respilled(store: SafetensorsStore, i: int, dtype: torch.dtype) -> SafetensorsStore:
+    from safetensors.torch import save_file
+
+    path = store.folder / f"layer-{i:05d}.safetensors"
+    tensors = {name: store.get(name, dtype) for name in store.names()}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return SafetensorsStore(store.folder, [path])
 
 
 class SpilledActivations:
@@ -293,6 +326,7 @@ class EmbeddingRows:
 
     def __init__(self, module: nn.Embedding, store, name: str, dtype: torch.dtype):
         self.store, self.name, self.dtype = store, name, dtype
+        self.rounding: torch.dtype | None = None  # the dtype a checkpoint saves them in (``round_weights``)
         self.placeholder, self.padding_idx = module.weight, module.padding_idx
         module.register_forward_pre_hook(self.read)
         module.register_forward_hook(self.drop)
@@ -301,7 +335,10 @@ class EmbeddingRows:
     def read(self, module: nn.Embedding, args: tuple) -> tuple:
         ids = args[0]
         distinct, where = torch.unique(ids, return_inverse=True)
-        rows = self.store.rows(self.name, distinct.cpu(), self.dtype).to(ids.device)
+        rows = self.store.rows(self.name, distinct.cpu(), self.dtype)
+        if self.rounding is not None:
+            rows = rows.to(self.rounding).to(self.dtype)
+        rows = rows.to(ids.device)
         module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
         module.padding_idx = None  # an index into the whole vocabulary; only gradients read it
         return (where, *args[1:])
@@ -310,16 +347,19 @@ class EmbeddingRows:
         module._parameters["weight"], module.padding_idx = self.placeholder, self.padding_idx
 
 
-def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path) -> None:
-    """A sharded safetensors checkpoint from a disk-offloaded model: one shard per decoder layer (the
-    spill files, hard-linked or copied) and one for the rest, with the index stock loading reads."""
+def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Path, dtype: torch.dtype) -> None:
+    """A sharded safetensors checkpoint in ``dtype`` from a disk-offloaded model: one shard per decoder layer (the
+    spill files, rewritten in ``dtype`` by ``round_weights`` and hard-linked or copied) and one for the rest, with
+    the index stock loading reads."""
     from safetensors.torch import save_file
+
+    onloader.round_weights(dtype)
 
     folder = Path(folder)
     weight_map, total = {}, 0
     # named_parameters() lists a tied head once (under the embedding's name), as save_pretrained writes it.
     rows = getattr(model.get_input_embeddings(), "spap_rows", None)  # embeddings left in the store
-    base = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()
+    base = {name: p.detach().to("cpu", dtype).contiguous() for name, p in model.named_parameters()
             if not name.startswith(onloader.prefix + ".") and not p.is_meta}
 
     def shard(file: str, tensors: dict) -> None:
@@ -330,7 +370,7 @@ def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Pa
 
     shard("model-base.safetensors", base)
     if rows is not None:  # a shard of their own, read as it is written: never beside the rest
-        shard("model-embeddings.safetensors", {rows.name: rows.store.get(rows.name, rows.dtype)})
+        shard("model-embeddings.safetensors", {rows.name: rows.store.get(rows.name, dtype)})
     for i in range(len(onloader.layers)):
         spilled = onloader.spilled(i)
         if spilled is None:
@@ -345,6 +385,8 @@ def write_checkpoint_weights(model: nn.Module, onloader: DiskOffload, folder: Pa
         total += src.stat().st_size
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    model.config.save_pretrained(folder)
+    config = copy.deepcopy(model.config)
+    config.dtype = str(dtype).removeprefix("torch.")  # as save_pretrained records its parameters' dtype
+    config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

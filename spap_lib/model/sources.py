@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -357,16 +356,6 @@ def _looks_local(name: str) -> bool:
             or name.endswith((".gguf", ".safetensors", ".bin", ".pt", ".pth")) or Path(first).exists())
 
 
-def hub_reachable(timeout: float = 2.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 @contextmanager
 def readable(source: ModelSource):
     """Name the real cause when a model cannot be read: a corrupt GGUF file, an unreachable hub."""
@@ -390,7 +379,7 @@ def readable(source: ModelSource):
         if source.kind == "hub" and isinstance(err, OSError):
             raise OSError(
                 f"could not load {source.path!r} from the Hugging Face hub ({err.__class__.__name__}: {err}). "
-                f"Offline? Pass a local checkpoint directory or .gguf file, or the offline default "
-                f"{OFFLINE_DEFAULT!r}."
+                f"Offline? Point HF_HOME at a hub cache that holds it and set HF_HUB_OFFLINE=1 (docs/reproduce.md), "
+                f"or pass a local checkpoint directory or .gguf file, or the offline default {OFFLINE_DEFAULT!r}."
             ) from err
         raise
