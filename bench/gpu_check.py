@@ -142,7 +142,8 @@ def decode_rows(sizes: Sizes, dry: bool) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):  # shapes only, for the kept widths
-        adapter = sl.get_adapter(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        adapter = sl.get_adapter(AutoModelForCausalLM.from_config(config))
     variants = {"dense": Variant(str(path))}
     for s in (0.1, 0.2, 0.3):
         p = sl.plan_sparsity(adapter, s)

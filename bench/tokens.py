@@ -34,7 +34,8 @@ def gguf_tokenizers(source):
     """transformers' build of a GGUF's tokenizer, and spap's (the one ``sl.load`` returns)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file), load_tokenizer(source)
+    return AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file,
+                                         trust_remote_code=False), load_tokenizer(source)
 
 
 def measure(name: str, text: str) -> dict:

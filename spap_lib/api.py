@@ -9,6 +9,7 @@ calls serve scripts and benchmarks.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from spap_lib.numerics.collective import world
 from spap_lib.numerics.linalg import NumericalError, nonfinite_parameters, resolve_precision
 from spap_lib.numerics.memory import measured
 from spap_lib.pipeline.blocks import resolve_round_to
-from spap_lib.pipeline.distributed import record, share
+from spap_lib.pipeline.distributed import one_process, record, share
 from spap_lib.pipeline.sequential import RunSettings, prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
 
@@ -59,9 +60,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
         raise ParameterError(f"method {algo.name!r} needs offload {' or '.join(map(repr, algo.offloads))}, got "
                              f"offload={loaded.offload!r}")
     if work and algo.pipeline == "model":  # the method declares its pipeline: the whole model at once
-        if world().parallel:
-            raise ParameterError(f"method {algo.name!r} prunes the whole model at once, in one process; run it "
-                                 "without torchrun (data-parallel prunes serve the layer-wise methods)")
+        one_process(algo)
         return _prune_whole_model(loaded, calib, algo, sparsity, seed=seed, batch_size=batch_size, progress=progress)
     plan = plan_sparsity(loaded.adapter, sparsity, round_to)
     _check_prunable(loaded, calib)
@@ -84,7 +83,7 @@ def prune(loaded: Loaded, calib: Calibration, method: str = DEFAULT_METHOD, spar
             "code": code_hash(type(algo)), "world_size": world().size}, clear_when_done=clear_resume)
     torch.manual_seed(seed)
     start, stop = share(calib.windows.shape[0])  # every window in one process; this rank's share of several
-    with measured(loaded.device) as memory:
+    with measured(loaded.device) as memory, checkpoint or contextlib.nullcontext():  # the folder's lock, released
         settings = RunSettings(batch_size=batch_size, chunk=chunk, seed=seed, propagate=propagate, progress=progress)
         run = prune_model(loaded.model, loaded.adapter, calib.windows[start:stop], algo, plan, device=loaded.device,
                           onloader=loaded.onloader, run=settings, inputs=inputs, stats=stats,

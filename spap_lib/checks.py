@@ -22,7 +22,7 @@ from types import ModuleType
 
 import yaml
 
-from spap_lib.errors import ParameterError, set_surface
+from spap_lib.errors import ParameterError, option, option_name, set_surface
 
 _TYPE_WORDS = {bool: "a boolean (True/False)", int: "an integer", float: "a number", str: "a string",
                dict: "a mapping", list: "a list"}
@@ -61,7 +61,8 @@ class Spec:
         prefix = f"{where}: " if where else ""
 
         def refuse(why: str):
-            raise ParameterError(f"{prefix}{name} must be {self.describe()}, got {value!r} ({why})")
+            shown = name if where else option_name(name)  # a run's parameter in the caller's words, not a field's
+            raise ParameterError(f"{prefix}{shown} must be {self.describe()}, got {value!r} ({why})")
 
         if value is None:
             if self.optional:
@@ -135,8 +136,8 @@ def fits_context(name: str, tokens: int | None, context: int | None, model: str 
     """Refuse windows longer than the positions the model was built for (RoPE models run on silently
     with garbage; OPT's learned positions crash with an IndexError)."""
     if context and tokens and tokens > context:
-        raise ParameterError(f"{name}={tokens} is longer than {model}'s context of {context} tokens "
-                             f"(max_position_embeddings): use {name} <= {context}")
+        raise ParameterError(f"{option(name, tokens)} is longer than {model}'s context of {context} tokens "
+                             f"(max_position_embeddings): use {option_name(name)} <= {context}")
 
 
 def hp(default, **bounds):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,6 +43,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-windows", type=int, default=None, help="cap on test windows (default: the whole split)")
 
 
+def _path(text: str) -> str:
+    """A folder as the user means it: ``~`` expanded and ``o/x/../q`` read as ``o/q`` before any check, so that no
+    folder on the way is created, and one folder has one name (the checks compare paths)."""
+    return os.path.normpath(os.path.expanduser(text)) if text else text
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="spap", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--debug", action="store_true", help="show the traceback of a refusal too (for bug reports)")
@@ -49,7 +56,8 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("prune", help="prune a model and save a checkpoint stock transformers loads")
     p.add_argument("model", help="alias (spap plan --list), hub id, local checkpoint dir or .gguf file")
-    p.add_argument("--out", required=True, help="checkpoint directory (new, empty, or a previous spap checkpoint)")
+    p.add_argument("--out", required=True, type=_path,
+                   help="checkpoint directory (new, empty, or a previous spap checkpoint)")
     p.add_argument("--method", default="spap", help="a registered method or a composition, e.g. spap/select=act_norm")
     p.add_argument("--sparsity", type=float, default=0.2, help="share of decoder parameters to remove")
     p.add_argument("--nsamples", type=int, default=PAPER["nsamples"], help="calibration windows (paper: 128)")
@@ -62,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
                    "method's own widths (the paper's); auto: 32 where the MLP is 512 or wider (docs/llamacpp.md)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
-    p.add_argument("--resume-dir", default=None, help="save every finished layer here; rerunning the same command "
+    p.add_argument("--resume-dir", default=None, type=_path,
+                   help="save every finished layer here; rerunning the same command "
                    "resumes after the last one (hours-long prunes); removed when the prune completes")
     p.add_argument("--save-dtype", default="auto", help="auto | float32 | bfloat16 | float16: the saved checkpoint's; "
                    "auto: the source's when it is half precision (a CPU prunes in float32), else the one pruned in")
@@ -131,7 +140,7 @@ def _prune(a) -> dict | None:
     report["dtype"] = dtypes.as_dict()  # sl.save writes the weights in report["dtype"]["saved"]
     barrier()  # every rank has finished its layers: only then is anything installed
     if w.rank == 0:
-        sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv))
+        sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv, w.size))
     loaded.onloader.close()
     if a.resume_dir is not None and w.rank == 0:  # installed: a kill before here resumes after the last layer
         from spap_lib.pipeline.resume import clear_folder
@@ -155,11 +164,13 @@ def _ranks_agree(a, job, w) -> None:
     distributed.agree("run", {"model": source_key(job.source), "method": a.method, "sparsity": a.sparsity,
                               "hparams": a.hparams, "nsamples": a.nsamples, "seqlen": a.seqlen, "seed": a.seed,
                               "round_to": a.round_to, "offload": job.offload, "save_dtype": a.save_dtype,
-                              "out": str(Path(a.out).absolute()), "no_eval": a.no_eval,
-                              "eval": [a.eval_seqlen, a.eval_windows], "resume_dir": a.resume_dir})
+                              "out": os.path.abspath(a.out), "no_eval": a.no_eval,
+                              "eval": [a.eval_seqlen, a.eval_windows],
+                              "resume_dir": a.resume_dir and os.path.abspath(a.resume_dir)})
 
 
 def _plan(a) -> str:
+    from spap_lib.checks import Spec
     from spap_lib.errors import ParameterError
     from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
@@ -178,6 +189,7 @@ def _plan(a) -> str:
                  {"round_to": a.round_to})
     device, memory = (a.device, a.device_memory_gb) if a.device else local_device(pick_device("auto"))
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
+    Spec(int, ge=1).check("nsamples", a.nsamples)  # before the ranks that share them
     if a.world_size < 1 or a.world_size > a.nsamples:
         raise ParameterError(f"--world-size {a.world_size}: give 1 to --nsamples ({a.nsamples}) ranks; every rank "
                              "holds at least one window")
@@ -214,19 +226,24 @@ def _width_lines(method, round_to: int | None, shapes: dict) -> list[str]:
 def _eval(a) -> dict:
     import spap_lib as sl
     from spap_lib.artifact.card import command
-    from spap_lib.artifact.checkpoint import add_evaluation
+    from spap_lib.artifact.checkpoint import add_evaluation, checkpoint_digests
 
     local = Path(a.model).expanduser()
     # a checkpoint's folder is where a killed prune with --out there left its spill folder: cleaned first
     spill = local.absolute().parent if local.exists() else None
+    digests = checkpoint_digests(local) if local.is_dir() else None  # the model about to be checked and read
     job = sl.check_run(a.model, eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=a.device,
                        offload=a.offload, spill_dir=spill)
     loaded = sl.load(a.model, device=a.device, offload=job.offload, spill_dir=spill)
     result = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows, onloader=loaded.onloader)
     loaded.onloader.close()
     if local.is_dir():  # a spap checkpoint's card and manifest record it
-        add_evaluation(local, {"task": "wikitext2 perplexity", "value": result["ppl"], "command": command(a.argv),
-                               "protocol": f"{result['windows']} windows of {result['seqlen']} tokens"})
+        unrecorded = add_evaluation(local, {"task": "wikitext2 perplexity", "value": result["ppl"],
+                                            "command": command(a.argv),
+                                            "protocol": f"{result['windows']} windows of {result['seqlen']} tokens"},
+                                    digests)
+        if unrecorded:
+            print(f"spap eval: not recorded: {unrecorded}", file=sys.stderr)
     return {"model": a.model, **result}
 
 

@@ -8,7 +8,7 @@
   path recognises those of dead processes on this host and removes them (restoring an interrupted
   swap first). Outputs get the user's normal permissions (umask), not the 0700/0600 of ``tempfile``.
 * ``locked``: a table that several runs write is read, merged and replaced under a lock
-  (``artifact.table.add_rows``).
+  (``artifact.table.add_rows``); a checkpoint's records and its replacement share one (``records_lock``).
 
 Every layer that writes (spill files, resume folders, checkpoints, tables) uses these, so they sit below
 all of them; what a run's outputs contain is ``artifact.manifest``'s business.
@@ -134,7 +134,7 @@ def _normal_modes(root: Path) -> None:
 def _prepare(path: str | os.PathLike) -> tuple[Path, Path]:
     """The target as a Path, its folder made and dead writers' leftovers beside it removed, and a fresh scratch
     name next to it."""
-    path = Path(path)
+    path = Path(os.path.normpath(path))  # "o/x/../q" is o/q: no folder x is made on the way
     path.parent.mkdir(parents=True, exist_ok=True)
     clean_leftovers(path)
     return path, _scratch(path, "tmp")
@@ -161,15 +161,20 @@ def _named(path: Path):
 
 
 @contextmanager
-def atomic_dir(path: str | os.PathLike):
-    """Yield a scratch directory that replaces ``path`` only if the block succeeds."""
+def atomic_dir(path: str | os.PathLike, *, records: bool = False):
+    """Yield a scratch directory that replaces ``path`` only if the block succeeds; ``records``: the replacement
+    waits for whoever holds ``records_lock(path)`` (an evaluation being recorded in the old version)."""
     with _named(Path(path)):
         path, tmp = _prepare(path)
         os.mkdir(tmp)
         try:
             yield tmp
             _normal_modes(tmp)
-            _install(tmp, path)
+            if records:
+                with locked(records_lock(path)):
+                    _install(tmp, path)
+            else:
+                _install(tmp, path)
         finally:
             if os.path.lexists(tmp):
                 _remove(tmp)  # the failed new version, or the replaced old one
@@ -206,18 +211,21 @@ def write_csv_atomic(path: str | os.PathLike, frame) -> None:
 
 @contextmanager
 def locked(path: str | os.PathLike):
-    """An exclusive advisory lock on ``<path>.lock`` for a read-modify-write of ``path``: two processes
+    """An exclusive lock on ``<path>.lock`` (``filelock``) for a read-modify-write of ``path``: two processes
     adding rows to one table (two grids, a grid and 04) each keep the other's rows."""
-    import fcntl
+    from filelock import FileLock
 
     lock = Path(f"{path}.lock")
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with FileLock(lock):
+        yield
+
+
+def records_lock(folder: str | os.PathLike) -> Path:
+    """What ``locked`` takes for a checkpoint folder's records (manifest, card) and for its replacement: a hidden
+    name beside the folder, not in it, so that the lock outlives a replacement and is no file of the model."""
+    folder = Path(folder)
+    return folder.with_name(f".{folder.name}.spap-records")
 
 
 # -- where spap keeps what it assembles and hashes --------------------------------------------------

@@ -29,6 +29,7 @@ from spap_lib.model.stores import SafetensorsStore
 from spap_lib.numerics import bf16
 from spap_lib.pipeline import resume
 from spap_lib.pipeline.blocks import AUTO, AUTO_MIN_WIDTH, is_auto, resolve_round_to, round_to_value, width_note
+from spap_lib.pipeline.distributed import one_process
 from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
 from spap_lib.plan import Plan, available_host_gb, local_device, mlp_width, plan, size
 
@@ -112,6 +113,8 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     check_offload(offload)
     bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
     algo = get_method(method, **(hparams or {})) if method is not None else None
+    if algo is not None and sparsity:
+        one_process(algo)  # before the model is read: a whole-model method under torchrun
     pick_device(device)
     spill_root = _existing(Path(spill_dir) if spill_dir else Path(tempfile.gettempdir()))
     remove_dead_spills(spill_root)
@@ -136,8 +139,9 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
         if algo is not None and sparsity > 0:
             offload = _allowed_offload(algo, offload)
         if layers and resume_dir is not None and algo is not None:
-            resume.check_folder(resume_dir, _resume_key(source, method, algo, check.plan, device,
-                                                        seed=seed, round_to=round_to, propagate=propagate))
+            resume.check_folder(resume_dir, _resume_key(source, method, algo, check.plan, device, seed=seed,
+                                                        round_to=round_to, propagate=propagate,
+                                                        calibration={"nsamples": nsamples, "seqlen": seqlen}))
         if algo is not None and nsamples and seqlen and layers and sparsity > 0:
             dev = pick_device(device)
             row, memory_gb = local_device(dev)
@@ -159,13 +163,19 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
 
 
 def _resume_key(source: ModelSource, method: str, algo: Method, plan: SparsityPlan, device: str, **settings) -> dict:
-    """What a resume folder's layers must have been pruned with, as far as it is known before loading: the
-    model's content (not its path), the method, budget and settings, and on a CPU the thread count."""
+    """What a resume folder's layers must have been pruned with, as far as it is known before loading (the keys of
+    ``api.prune``'s fingerprint but the calibration windows' digest and the batch size): the model's content (not
+    its path), the method and its code, budget and settings, the device, dtype and world size, and on a CPU the
+    thread count."""
     from spap_lib.api import threads
     from spap_lib.keys import source_key
+    from spap_lib.model.dtypes import pick_dtype
+    from spap_lib.numerics.collective import world
 
+    dev = pick_device(device)
     return {"model": source_key(source), "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
-            "threads": threads(pick_device(device)), **settings}
+            "threads": threads(dev), "device": dev.type, "dtype": str(pick_dtype("auto", dev)),
+            "code": resume.code_hash(type(algo)), "world_size": world().size, **settings}
 
 
 def check_config(model: str, config, algo: Method | None, sparsity: float | None, windows: dict[str, int | None],
@@ -193,6 +203,10 @@ def check_config(model: str, config, algo: Method | None, sparsity: float | None
     sparsity_plan = plan_sparsity(adapter, sparsity, settings["round_to"]) if layers else None
     if algo is not None:
         algo.prepare(adapter)  # e.g. FLAP's bias slot, an architecture the method cannot reshape
+        if sparsity_plan is not None:  # the model as the prepared config builds it: with the slots it adds
+            with torch.device("meta"):
+                rebuilt = get_adapter(AutoModelForCausalLM.from_config(adapter.model.config))
+            sparsity_plan = sparsity_plan.prepared(rebuilt)
     return context, sparsity_plan
 
 

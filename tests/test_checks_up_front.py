@@ -83,7 +83,7 @@ def test_a_damaged_or_missing_tokenizer_is_named_as_such(checkpoint, tmp_path, n
 
 
 @pytest.mark.parametrize("args,words", [(["--seqlen", "100000"], ["seqlen", "100000"]),
-                                        (["--eval-seqlen", "100000"], ["eval_seqlen"]),
+                                        (["--eval-seqlen", "100000"], ["--eval-seqlen"]),
                                         (["--sparsity", "0.999"], ["sparsity"]),
                                         (["--sparsity", "0.001"], ["sparsity"])])
 def test_the_plan_refuses_what_the_prune_refuses(checkpoint, tmp_path, no_load, args, words):

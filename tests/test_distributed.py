@@ -85,6 +85,9 @@ def test_rank_outputs_load_stock(checkpoint, tmp_path):
     assert _ranks(checkpoint, tmp_path / "two", "--method", "fasp").returncode == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
+    made_by = json.loads((tmp_path / "two" / "spap_manifest.json").read_text())["command"]
+    assert made_by.startswith("torchrun --nproc-per-node 2 -m spap_lib.cli prune ")  # rerunnable as it was run
+    assert made_by in (tmp_path / "two" / "README.md").read_text()
 
 
 def test_ranks_with_different_seeds_are_refused(checkpoint, tmp_path):
@@ -111,6 +114,7 @@ def test_more_ranks_than_windows_are_refused(checkpoint, tmp_path):
 def test_whole_model_method_is_refused(checkpoint, tmp_path):
     run = _ranks(checkpoint, tmp_path / "out", "--method", "slicegpt")
     assert run.returncode != 0 and "prunes the whole model at once, in one process" in run.stderr
+    assert run.stdout.strip() == ""  # refused by the check, before the summary, the load and the calibration
 
 
 def _plan_minutes(main, capsys, *args: str) -> float:

@@ -98,6 +98,19 @@ def test_truncated_misshapen_extra_and_absent_weights_are_named(checkpoint, tmp_
     refused(spap("eval", checkpoint, *TINY[4:]), "lacks shard", "model-00001-of-00002.safetensors")
 
 
+def test_a_tying_config_over_a_head_of_its_own_is_refused(checkpoint, tmp_path):
+    """transformers 4.x ties the head to the embeddings as the config says, 5.x loads the head the file holds: two
+    models from one checkpoint. A stored head equal to the embeddings is the same model either way."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    _edit_weights(checkpoint, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    assert spap("eval", checkpoint, *TINY[4:]).returncode == 0
+    _edit_weights(checkpoint, lambda t: t.update({"lm_head.weight": t["lm_head.weight"] + 0.01}))
+    refused(spap("prune", checkpoint, "--out", tmp_path / "o", *TINY), "tie_word_embeddings", "lm_head.weight",
+            "differs from model.embed_tokens.weight")
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_complete_checkpoint_of_every_architecture_passes_the_check(arch, tmp_path):
     from conftest import tiny_model
 
@@ -122,7 +135,7 @@ def test_an_unusable_out_is_refused_before_loading(checkpoint, out, words):
 
 def test_round_to_that_removes_nothing_is_refused_and_sparsity_zero_keeps_the_model(checkpoint, tmp_path, windows):
     refused(spap("prune", checkpoint, "--round-to", "1000", "--out", tmp_path / "o", *TINY),
-            "removes no MLP channel", "round_to")
+            "removes no MLP channel", "--round-to")
     loaded = sl.load(str(checkpoint), device="cpu")
     before = {k: v.clone() for k, v in loaded.model.state_dict().items()}
     from spap_lib.evaluation.data import Calibration
@@ -200,7 +213,7 @@ def test_no_eval_does_not_check_the_evaluation_window(checkpoint, tmp_path):
     (checkpoint / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     args = ["prune", checkpoint, "--method", "magnitude", "--nsamples", "4", "--seqlen", "24", "--device", "cpu",
             "--out", tmp_path / "o"]
-    refused(spap(*args), "eval_seqlen=2048")  # the default window of the paper's protocol does not fit
+    refused(spap(*args), "--eval-seqlen 2048")  # the default window of the paper's protocol does not fit
     assert spap(*args, "--no-eval").returncode == 0
 
 
@@ -227,3 +240,39 @@ def test_round_to_by_format_name_prunes_to_its_block_and_the_card_says_what_a_wi
     manifest = json.loads((tmp_path / "named" / "spap_manifest.json").read_text())
     assert manifest["sparsity"]["round_to"] == 32 and manifest["sparsity"]["mlp_width"]["pruned"] == 32
     assert manifest["sparsity"]["achieved_decoder"] > 0.2  # the nearest multiple of 32 to the 20% width
+
+
+def test_the_share_printed_before_a_prune_is_the_one_it_achieves(checkpoint, tmp_path):
+    """FLAP adds bias slots to a model without them: the share removed, printed before the run, is net of them."""
+    import re
+
+    result = spap("prune", checkpoint, "--method", "flap", "--round-to", "8", "--out", tmp_path / "o", *TINY)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = float(re.search(r"([\d.]+)% of the decoder's parameters removed", result.stdout)[1])
+    achieved = json.loads((tmp_path / "o" / "spap_manifest.json").read_text())["sparsity"]["achieved_decoder"]
+    assert printed == pytest.approx(100 * achieved, abs=0.005)
+
+
+def test_wikitext_that_is_not_utf8_is_one_line_naming_the_byte_before_loading(checkpoint, tmp_path, monkeypatch):
+    from conftest import DATA
+
+    from spap_lib.evaluation.data import SPLIT_FILES, WIKITEXT
+
+    folder = tmp_path / "data" / WIKITEXT
+    folder.mkdir(parents=True)
+    for name in SPLIT_FILES.values():
+        if (DATA / WIKITEXT / name).is_file():
+            (folder / name).write_bytes((DATA / WIKITEXT / name).read_bytes()[:20000] + b"\n caf\xe9 \n")
+    monkeypatch.setenv("SPAP_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(sl, "load", lambda *a, **k: pytest.fail("loaded before the data were checked"))
+    for command in (("eval", checkpoint, *TINY[4:]), ("prune", checkpoint, "--out", tmp_path / "o", *TINY)):
+        refused(spap(*command), "is not UTF-8 text", "byte 0xe9")
+
+
+def test_an_out_path_with_dot_dots_is_the_folder_it_names_and_leaves_nothing_on_the_way(checkpoint, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert spap("prune", checkpoint, "--out", "o/q3/x/../../q3", *TINY).returncode == 0
+    assert spap("prune", checkpoint, "--out", "o/q1/../q2", *TINY).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "o").iterdir() if not p.name.startswith(".")) == ["q2", "q3"]
+    assert (tmp_path / "o/q3/spap_manifest.json").is_file()

@@ -163,6 +163,24 @@ def test_another_models_resume_folder_shows_both_values(tiny_checkpoint, tmp_pat
     assert "there" in err and "now" in err
 
 
+def test_another_calibration_size_or_world_size_is_refused_before_loading(tiny_checkpoint, tmp_path, monkeypatch):
+    """The settings known before loading are compared up front, each named with both values: the calibration's
+    size (its windows' digest needs the tokenizer) and the number of ranks."""
+    source = tiny_checkpoint()
+    folder = tmp_path / "progress"
+    _stopped_at_layer_0(source, tmp_path / "o", folder, monkeypatch)
+    calls = []
+    monkeypatch.setattr(sl, "load", lambda *a, **k: calls.append(a))
+    args = ["prune", source, "--out", tmp_path / "o", *FAST, *TINY, "--no-eval", "--resume-dir", folder]
+    moved = [a if a != "4" else "8" for a in args]  # --nsamples 8
+    refused(spap(*moved), "another run", "calibration.nsamples: 4 there, 8 now")
+    state = json.loads((folder / "state.json").read_text())
+    state["fingerprint"]["world_size"] = 2  # the folder of a 2-rank run
+    (folder / "state.json").write_text(json.dumps(state))
+    refused(spap(*args), "another run", "world_size: 2 there, 1 now")
+    assert not calls
+
+
 def test_the_resume_folder_and_out_may_not_overlap(tiny_checkpoint, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(sl, "load", lambda *a, **k: calls.append(a))

@@ -1,8 +1,9 @@
 """The model card every saved checkpoint carries: ``README.md`` in the Hub's conventions, YAML front matter for the
 Hub's index and a short body: what was done to which model, what it measured, how it was made, how to load it.
 
-It is rendered from the checkpoint's manifest (``spap_manifest.json``) alone, so ``spap eval`` re-renders it when
-it adds an evaluation there.
+It is rendered from the checkpoint's manifest (``spap_manifest.json``) alone; its provenance (base model, license)
+is fixed there when the checkpoint is saved. The card is the user's too: ``spap eval`` merges what it adds into it
+(``merge``), rewriting only spap's front-matter keys and the text between spap's two markers.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import yaml
+from huggingface_hub import ModelCard, ModelCardData
 
 from spap_lib.artifact.portable import SUPPORTED
 from spap_lib.model.sources import HUB_ALIASES
@@ -24,6 +26,9 @@ UPSTREAM = {
     "qwen2.5-coder-0.5b": ("Qwen/Qwen2.5-Coder-0.5B-Instruct", "apache-2.0"),
 }
 CALIBRATION_DATASET = "Salesforce/wikitext"  # WikiText-2 raw, on the Hub
+# What spap rewrites of a card: the text between these markers (invisible where the Hub renders the card).
+BEGIN = "<!-- spap: the text from here to the end marker is rewritten when spap records an evaluation -->"
+END = "<!-- spap: end -->"
 
 
 def base_model(source: dict) -> tuple[str, str | None]:
@@ -40,15 +45,16 @@ def base_model(source: dict) -> tuple[str, str | None]:
 def _license_of(card: Path) -> str | None:
     try:
         text = card.read_text()
-        if text.startswith("---"):
-            return (yaml.safe_load(text.split("---", 2)[1]) or {}).get("license")
-    except (OSError, yaml.YAMLError, IndexError, AttributeError):
-        pass
-    return None
+        return ModelCard(text, ignore_metadata_errors=True).data.get("license") if text.startswith("---") else None
+    except (OSError, ValueError):
+        return None
 
 
-def command(argv: list[str]) -> str:
-    """The ``spap`` command line that made a checkpoint, as the user typed it."""
+def command(argv: list[str], ranks: int = 1) -> str:
+    """The ``spap`` command line that made a checkpoint, as the user typed it; a data-parallel run's under
+    ``torchrun`` with its number of ranks, which its weights depend on (docs/distributed.md)."""
+    if ranks > 1:
+        return shlex.join(["torchrun", "--nproc-per-node", str(ranks), "-m", "spap_lib.cli", *argv])
     return shlex.join(["spap", *argv])
 
 
@@ -60,27 +66,58 @@ def notebook_call(notebook: str, namespace: dict) -> str:
     return f"papermill notebooks/{notebook}.ipynb out.ipynb " + " ".join(args)
 
 
+def provenance(source: dict) -> dict:
+    """What a card says of the model that was pruned, fixed in the manifest when the checkpoint is saved: the source's
+    card may change or go away after."""
+    base, license_ = base_model(source)
+    return {"base_model": base, **({"license": license_} if license_ else {})}
+
+
 def render(fields: dict) -> str:
     """The card of a checkpoint whose manifest is ``fields``."""
-    base, license_ = base_model(fields["model"])
+    known = fields.get("card") or provenance(fields["model"])  # checkpoints saved before provenance was recorded
     method = fields.get("method", "?")
-    front = {"base_model": base, "library_name": "transformers", "pipeline_tag": "text-generation",
-             "tags": list(dict.fromkeys(["pruned", "structured-pruning", "spap", method.split("/")[0]])),
-             **({"license": license_} if license_ else {}), "datasets": [CALIBRATION_DATASET]}
+    front = ModelCardData(base_model=known["base_model"], library_name="transformers", pipeline_tag="text-generation",
+                          tags=list(dict.fromkeys(["pruned", "structured-pruning", "spap", method.split("/")[0]])),
+                          license=known.get("license"), datasets=[CALIBRATION_DATASET])
+    removed = (fields.get("sparsity") or {}).get("mlp_channels_removed", 1) != 0 or "slicing" in fields
     what = "every block's residual stream rotated and sliced (SliceGPT)" if "slicing" in fields else \
         "whole MLP channels removed (structured pruning)"
-    lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
-             f"# {base}, {method} at {_pct(fields.get('sparsity', {}).get('requested'))}", "",
-             f"Pruned with spap: {what}, so the tensors are physically smaller.", "",
-             "| | |", "|---|---|", *_rows(fields), "", *_loading(fields), *_evaluations(fields)]
-    return "\n".join(line for i, line in enumerate(lines) if line or lines[i - 1]) + "\n"
+    summary = f"Pruned with spap: {what}, so the tensors are physically smaller." if removed else \
+        "Run through spap's prune with nothing removed (sparsity 0): the tensors keep the source's shapes."
+    lines = [f"# {known['base_model']}, {method} at {_pct(fields.get('sparsity', {}).get('requested'))}", "",
+             summary, "", "| | |", "|---|---|", *_rows(fields, removed), "", *_loading(fields), *_evaluations(fields)]
+    body = "\n".join(line for i, line in enumerate(lines) if line or lines[i - 1])
+    return f"---\n{front.to_yaml()}\n---\n\n{BEGIN}\n{body}\n{END}\n"
+
+
+def merge(existing: str, fields: dict) -> str:
+    """``render(fields)`` merged into ``existing``, a card the user may have edited: spap's front-matter keys are
+    updated (tags and datasets joined), the user's kept; the text between spap's markers is replaced and the rest
+    kept as it is. Where the markers are gone, the body is the user's alone and is left untouched, and so is a card
+    whose front matter is not YAML."""
+    new = ModelCard(render(fields))
+    if not existing.strip():
+        return str(new)
+    try:
+        card = ModelCard(existing, ignore_metadata_errors=True)
+    except yaml.YAMLError:  # front matter that is not YAML: the user's to fix, not spap's to replace
+        return existing
+    for key, value in new.data.to_dict().items():
+        if key in ("tags", "datasets"):
+            value = list(dict.fromkeys([*(card.data.get(key) or []), *value]))
+        card.data[key] = value
+    start, end = card.text.find(BEGIN), card.text.find(END)
+    if 0 <= start < end:
+        card.text = card.text[:start] + new.text[new.text.find(BEGIN):].rstrip("\n") + card.text[end + len(END):]
+    return str(card)
 
 
 def _pct(x) -> str:
     return f"{x:.0%}" if isinstance(x, (int, float)) else "?"
 
 
-def _rows(f: dict) -> list[str]:
+def _rows(f: dict, removed: bool) -> list[str]:
     sp, cal, params = f.get("sparsity", {}), f.get("calibration", {}), f.get("params", {})
     width = sp.get("mlp_width", {})
     ppl = f.get("perplexity") or {}
@@ -90,9 +127,11 @@ def _rows(f: dict) -> list[str]:
         "sparsity": f"requested {_pct(sp.get('requested'))} of the decoder's parameters; achieved "
                     f"{sp.get('achieved_decoder', 0):.2%} of the decoder, {sp.get('achieved_total', 0):.2%} of all"
                     + (f" ({sp['definition']})" if sp.get("definition") else ""),
-        "MLP width": f"{width.get('dense')} → {width.get('pruned')}" if width else None,
+        "MLP width": (f"{width.get('dense')} → {width.get('pruned')}" if removed else f"{width.get('dense')}, "
+                      "unchanged") if width else None,
         "llama.cpp": _blocks(width.get("pruned")),
-        "parameters": f"{params['dense']['total']:,} → {params['pruned']['total']:,}" if params else None,
+        "parameters": (f"{params['dense']['total']:,} → {params['pruned']['total']:,}" if removed else
+                       f"{params['dense']['total']:,}, unchanged") if params else None,
         "calibration": f"WikiText-2 {cal.get('split')} ({cal.get('source')}), {cal.get('nsamples')} windows × "
                        f"{cal.get('seqlen')} tokens = {cal.get('tokens'):,} tokens, seed {cal.get('seed')}"
                        + (f", windows sha256 `{cal['sha256']}`" if cal.get("sha256") else "") if cal else None,

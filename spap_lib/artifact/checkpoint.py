@@ -2,6 +2,7 @@
 reloads, the way users will load it, to the same logits; then the folder is installed atomically."""
 from __future__ import annotations
 
+import hashlib
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,7 @@ from spap_lib.artifact.manifest import (
     save_pruned,
 )
 from spap_lib.errors import CheckpointError, option
-from spap_lib.files import write_json_atomic, write_text_atomic
+from spap_lib.files import locked, records_lock, write_json_atomic, write_text_atomic
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.dtypes import dtype_name, run_dtypes, saved_dtype
 from spap_lib.model.formats import format_of_report
@@ -162,7 +163,7 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
         dtypes = run_dtypes("auto", loaded.source, loaded.model.config, loaded.model.dtype)
         report = {**report, "dtype": dtypes.as_dict()}
     fields = manifest(model=loaded.source.as_dict(), **{k: v for k, v in report.items() if k != "kept_channels"},
-                         **extra)
+                         card=card.provenance(loaded.source.as_dict()), **extra)
     fmt = format_of_report(report)  # a registered layout's plan (a sliced stream's shapes), else kept channels
     plan = {"model": loaded.source.as_dict(),
             **({fmt.plan_key: report[fmt.plan_key]} if fmt else {"kept_channels": report["kept_channels"]})}
@@ -194,14 +195,32 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
                        protect=protect, check=check)
 
 
-def add_evaluation(folder: str | Path, evaluation: dict) -> None:
-    """Record an evaluation of a saved checkpoint in its manifest and its model card (``spap eval``), each written
-    atomically; a folder that is not a spap checkpoint is left alone."""
+def checkpoint_digests(folder: str | Path) -> dict | None:
+    """The digests of a spap checkpoint's files as its manifest lists them (what decides its model), else None."""
+    fields = read_checkpoint_manifest(folder) or {}
+    return (fields.get("spap_checkpoint") or {}).get("digests")
+
+
+def add_evaluation(folder: str | Path, evaluation: dict, digests: dict | None) -> str | None:
+    """Record an evaluation of a saved checkpoint in its manifest and merge it into its model card (``spap eval``),
+    under the lock its replacement also takes, and only where the folder still holds the model that was evaluated:
+    ``digests``, its files' as read before it was loaded. Returns why nothing was recorded, or None; a folder that
+    is not a spap checkpoint is left alone."""
     folder = Path(folder)
     try:
-        fields = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return
-    fields["evaluations"] = [*fields.get("evaluations", []), evaluation]
-    write_json_atomic(folder / MANIFEST, fields)
-    write_text_atomic(folder / CARD, card.render(fields))
+        with locked(records_lock(folder)):
+            fields = read_checkpoint_manifest(folder)
+            if fields is None:
+                return None
+            if checkpoint_digests(folder) != digests:
+                return (f"{folder} was replaced while it was evaluated, so the result belongs to the model it held "
+                        "before; evaluate it again to record the new one")
+            model = "sha256:" + hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:24] \
+                if digests else None
+            fields["evaluations"] = [*fields.get("evaluations", []), {**evaluation, "model": model}]
+            write_json_atomic(folder / MANIFEST, fields)
+            user_card = (folder / CARD).read_text() if (folder / CARD).is_file() else ""
+            write_text_atomic(folder / CARD, card.merge(user_card, fields))
+    except OSError as err:
+        return f"cannot write {folder}'s records ({err.strerror or err})"
+    return None

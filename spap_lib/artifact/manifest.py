@@ -72,7 +72,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
     if not str(out_dir).strip() or Path(out_dir).name in ("", ".", ".."):
         raise OutputError(f"{name} {str(out_dir)!r} names no new folder (the checkpoint is written beside it and "
                           f"moved into place): give a folder name, e.g. {option('out_dir', 'pruned')}")
-    out = Path(out_dir).expanduser().absolute()
+    out = Path(os.path.normpath(Path(out_dir).expanduser().absolute()))  # as files._prepare will write it
     real = out.resolve()
     for what, keep in (protect or {}).items():
         keep = Path(keep).expanduser().resolve()
@@ -190,7 +190,7 @@ def save_pruned(write, tokenizer, out_dir: str | os.PathLike, manifest_fields: d
     results are stored in the manifest under ``checks``. Stock-loadable.
     """
     check_out_dir(out_dir, overwrite=overwrite, protect=protect)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, records=True) as tmp:
         write(tmp)
         tokenizer.save_pretrained(tmp)
         make_portable(tmp)  # the fields older transformers read, beside the new ones
@@ -216,7 +216,7 @@ def check_saved_tokenizer(tokenizer, folder: Path) -> dict:
     from transformers import AutoTokenizer
 
     want = tokenizer(TOKENIZER_PROBE).input_ids
-    reloaded = AutoTokenizer.from_pretrained(folder)
+    reloaded = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     got = reloaded(TOKENIZER_PROBE).input_ids
     if got != want:  # e.g. transformers 5 rebuilds a qwen2 checkpoint's tokenizer as Qwen2Tokenizer, whatever it was
         raise CheckpointError(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from spap_lib.errors import ParameterError
+from spap_lib.errors import ParameterError, SourceError
 
 WIKITEXT = "wikitext-2-raw-v1"
 HUB_DATASET = "Salesforce/wikitext"  # where the hub's ``wikitext`` lives: parquet files, one folder per config
@@ -32,9 +32,17 @@ def data_dir() -> Path:
 
 
 def read_raw(path: Path) -> list[str]:
-    """Rows of a ``wiki.*.raw`` file exactly as the HF dataset has them (blank lines → "")."""
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    return [line if line.strip() else "" for line in lines]
+    """Rows of a ``wiki.*.raw`` file exactly as the HF dataset has them (blank lines → ""); a file that is not
+    UTF-8 text is refused, naming where."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise SourceError(f"{path} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}, line "
+                          f"{line}), as WikiText-2 raw is: the file is damaged or another file; copy it again "
+                          "(data/README.md)") from None
+    return [line if line.strip() else "" for line in text.splitlines(keepends=True)]
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,10 @@ def check_available(calibration: bool, evaluation: bool) -> None:
 
     needs = [("train", "validation")] * calibration + [("test",)] * evaluation
     for splits in needs:
+        local = next((p for s in splits if (p := data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file()), None)
+        if local is not None:
+            read_raw(local)  # readable text, before the model is read
+            continue
         if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() or _hub_cached(s) for s in splits) \
                 and is_offline_mode():
             raise _not_found(*splits)

@@ -82,8 +82,8 @@ def load_converted(path: Path, dtype: torch.dtype, name_or_path: str):
 
     try:
         record = json.loads((path / RECORD).read_text())
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False)
         model.config._name_or_path, model.config.architectures = name_or_path, record["architectures"]
     except Exception as err:  # noqa: BLE001 - a damaged cache entry is made again, whatever broke
         warnings.warn(f"the converted model in {path} does not load ({type(err).__name__}: {err}); "

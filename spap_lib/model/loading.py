@@ -39,7 +39,7 @@ def load_saved(path: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, s
     fmt = format_of(json.loads((Path(path) / "config.json").read_text()))
     if fmt is not None:
         return fmt.load(path, dtype), "spap_lib.load"
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), "transformers"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False), "transformers"
 
 
 def check_source_weights(source: ModelSource) -> None:
@@ -64,13 +64,13 @@ def read_config(source: ModelSource):
 
     extra = {"gguf_file": source.gguf_file} if source.gguf_file else {}
     if (cached := _converted(source)) is not None:
-        return AutoConfig.from_pretrained(cached)
+        return AutoConfig.from_pretrained(cached, trust_remote_code=False)
     if source.kind == "dir":
         raw = json.loads((Path(source.path) / "config.json").read_text())
         if (fmt := format_of(raw)) is not None and fmt.read_config is not None:
             return fmt.read_config(raw)
     with readable(source):
-        config = AutoConfig.from_pretrained(source.path, **extra)
+        config = AutoConfig.from_pretrained(source.path, **extra, trust_remote_code=False)
     if getattr(config, "model_type", None) not in supported_model_types():
         raise SourceError(f"{source.name}: unsupported architecture {getattr(config, 'model_type', None)!r}; "
                          f"spap supports {', '.join(supported_model_types())}")
@@ -178,7 +178,7 @@ def load_nonuniform(path: str | Path, dtype: torch.dtype) -> torch.nn.Module:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     adapter = get_adapter(model)
     widths = config.spap_mlp_widths
@@ -286,7 +286,8 @@ def load(name: str, device: str = "auto", dtype: str = "auto", offload: str = "n
                 model = fmt.load(source.path, dt)
             else:
                 model, report = AutoModelForCausalLM.from_pretrained(
-                    source.path, dtype=dt, output_loading_info=True, **extra, **_dequantize(source))
+                    source.path, dtype=dt, output_loading_info=True, trust_remote_code=False, **extra,
+                    **_dequantize(source))
                 _check_loading_report(name, source, report)
                 if source.kind == "gguf":
                     converted.convert(Path(source.path) / source.gguf_file, model, tokenizer)
@@ -304,14 +305,14 @@ def load_tokenizer(source: ModelSource):
     extra = {"gguf_file": source.gguf_file} if source.gguf_file and cached is None else {}
     with readable(source):
         tokenizer = AutoTokenizer.from_pretrained(cached if cached is not None else source.path, **extra,
-                                                  )
+                                                  trust_remote_code=False)
     if source.kind == "gguf" and cached is None:
         # As its conversion and every checkpoint saved from it reload it: transformers' build from a GGUF and the
         # tokenizer class's own build from the saved files differ (Qwen2's adds its NFC normalizer), and one model
         # must have one tokenizer, whichever way it was loaded.
         with tempfile.TemporaryDirectory() as tmp:
             tokenizer.save_pretrained(tmp)
-            tokenizer = AutoTokenizer.from_pretrained(tmp)
+            tokenizer = AutoTokenizer.from_pretrained(tmp, trust_remote_code=False)
     return with_own_pre_tokenizer(tokenizer, source)
 
 

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,9 +31,10 @@ from pathlib import Path
 import torch
 
 from spap_lib.errors import ModelNotInstalled, ParameterError, SourceError
-from spap_lib.files import cache_dir
+from spap_lib.files import cache_dir, hub_snapshot
 from spap_lib.model.adapters import supported_model_types
 from spap_lib.model.formats import model_type_of
+from spap_lib.model.untrusted import refuse_remote_code, refuse_untied_head, tied_pairs
 from spap_lib.model.vocab import check_tokenizer
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -78,8 +80,12 @@ def stored_shapes(folder: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
         try:
             state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
         except Exception as err:  # noqa: BLE001 - whatever the unpickler says, the file cannot be used
-            raise SourceError(f"{f} is truncated or unreadable ({type(err).__name__}: {err}); download or copy "
-                              "it again, or save the model as safetensors") from None
+            carries = isinstance(err, pickle.UnpicklingError) and "weights only" in str(err).lower()
+            raise SourceError(f"{f} is a pickle that holds more than tensors (objects whose unpickling runs code); "
+                              "spap reads pickles as tensors only and never runs what they carry: use the model's "
+                              "safetensors files (model.safetensors), or convert it where its code is trusted"
+                              if carries else f"{f} is truncated or unreadable ({type(err).__name__}: {err}); "
+                              "download or copy it again, or save the model as safetensors") from None
         found.update({name: (tuple(t.shape), f.name) for name, t in state.items() if isinstance(t, torch.Tensor)})
     if not files:
         raise SourceError(f"{folder} has a config.json but no weights (model.safetensors, sharded *.safetensors with "
@@ -115,6 +121,9 @@ def check_weights(folder: str | Path, skeleton: torch.nn.Module) -> None:
                         if k not in expected and not any(p.search(name) for p in ignore_unexpected))
     wrong = [f"{name} is {list(shape)} in {file}, the config makes it {list(expected[k][1])}"
              for k, (name, shape, file) in sorted(have.items()) if k in expected and shape != expected[k][1]]
+    for pair in tied_pairs(skeleton) if tied else ():
+        if all(key(n) in have for n in pair):
+            refuse_untied_head(folder, *((have[key(n)][0], have[key(n)][2]) for n in pair))
     problems = []
     if missing:
         problems.append(f"{len(missing)} tensor(s) the config needs are missing ({', '.join(missing[:5])}"
@@ -281,13 +290,12 @@ def _chunked_gguf(alias: str) -> ModelSource:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-
 def check_checkpoint(path: Path) -> None:
     """A local checkpoint must be a causal LM of a supported architecture with a tokenizer; say so
     before any loading or work."""
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is a directory without config.json: not a transformers checkpoint")
+    refuse_remote_code(path, str(path))
     try:
         config = json.loads((path / "config.json").read_text())
     except ValueError as err:
@@ -315,11 +323,12 @@ def resolve(name: str) -> ModelSource:
     if name in CHUNKED_GGUF:
         return _chunked_gguf(name)
     if name in HUB_ALIASES:
-        return ModelSource(name, "hub", HUB_ALIASES[name])
+        return _hub(name, HUB_ALIASES[name])
     if not isinstance(name, str) or not name:
         raise ParameterError(f"model must be a non-empty string (alias, hub id, directory or .gguf file), got {name!r}")
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        refuse_remote_code(path.parent, name)  # the tokenizer is read beside the file where a config is there
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
         check_checkpoint(path)
@@ -340,12 +349,18 @@ def resolve(name: str) -> ModelSource:
             "so it is not tried on the Hugging Face hub: check the path (02_prune writes to <run_dir>/pruned)."
         )
     if name.count("/") == 1:
-        return ModelSource(name, "hub", name)
+        return _hub(name, name)
     raise ParameterError(
         f"unknown model {name!r}: not an alias, a local directory, a .gguf file or a hub id (org/name). "
         f"Aliases: {', '.join(known_models())}"
     )
 
+
+def _hub(name: str, repo: str) -> ModelSource:
+    """A hub model; its snapshot in the local hub cache, where there is one, is checked as a folder is."""
+    if snapshot := hub_snapshot(repo):
+        refuse_remote_code(snapshot, name)
+    return ModelSource(name, "hub", repo)
 
 
 def _looks_local(name: str) -> bool:

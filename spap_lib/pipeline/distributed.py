@@ -70,6 +70,13 @@ def shares(n: int, size: int) -> list[list[int]]:
     return [list(share(n, World(r, size))) for r in range(size)]
 
 
+def one_process(method) -> None:
+    """A method that prunes the whole model at once (``pipeline == "model"``) runs in one process."""
+    if method.pipeline == "model" and world().parallel:
+        raise ParameterError(f"method {method.name!r} prunes the whole model at once, in one process; run it "
+                             "without torchrun (data-parallel prunes serve the layer-wise methods)")
+
+
 def check_size(nsamples: int) -> None:
     """A world larger than the calibration windows leaves a rank with no tokens: refused before any work."""
     w = world()

@@ -51,7 +51,22 @@ def _read_state(folder: Path) -> dict | None:
 
 
 def _differ(saved: dict, expect: dict) -> list[str]:
-    return sorted(k for k in expect if saved.get(k) != expect[k])
+    """The settings that differ; an expected dict is compared by its own keys (``calibration.nsamples``), so a check
+    made before loading compares what it knows of a setting (the calibration's size, not its windows' digest)."""
+    differ = []
+    for k, want in expect.items():
+        have = saved.get(k)
+        if isinstance(want, dict) and isinstance(have, dict):
+            differ += [f"{k}.{kk}" for kk in want if have.get(kk) != want[kk]]
+        elif have != want:
+            differ.append(k)
+    return sorted(differ)
+
+
+def _value(fingerprint: dict, name: str):
+    top, _, sub = name.partition(".")
+    value = fingerprint.get(top)
+    return value.get(sub) if sub and isinstance(value, dict) else value
 
 
 def _values(saved: dict, expect: dict, differ: list[str]) -> str:
@@ -59,13 +74,13 @@ def _values(saved: dict, expect: dict, differ: list[str]) -> str:
     def short(v):
         text = json.dumps(v, sort_keys=True, default=str)
         return text if len(text) <= 60 else text[:57] + "..."
-    return "; ".join(f"{k}: {short(saved.get(k))} there, {short(expect.get(k))} now" for k in differ[:4])
+    return "; ".join(f"{k}: {short(_value(saved, k))} there, {short(_value(expect, k))} now" for k in differ[:4])
 
 
 def _another_run(folder: Path, differ: list[str], saved: dict | None = None,
                  expect: dict | None = None) -> ParameterError:
     """The refusal of a folder whose layers this run must not reuse, naming what differs."""
-    if "code" in differ:  # same settings, other source: an older or newer spap, or an edited method
+    if "code" in differ and (saved or {}).get("code") is not None:  # other source: another spap, an edited method
         rest = [k for k in differ if k != "code"]
         return ParameterError(
             f"{folder} holds layers pruned by other code (spap's method, numerics or pipeline source differs: "
@@ -76,7 +91,33 @@ def _another_run(folder: Path, differ: list[str], saved: dict | None = None,
                           "delete it or resume with the same settings")
 
 
-def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
+def _run_lock(folder: Path):
+    """The lock a run holds on its resume folder while it prunes (rank 0's, for all its ranks): beside the folder,
+    which is removed when the run is done."""
+    from filelock import FileLock
+
+    # one lock object per path in a process (reentrant): a run interrupted in a notebook does not lock out the next
+    return FileLock(folder.with_name(f".{folder.name}.spap-run.lock"), timeout=0, is_singleton=True)
+
+
+def _in_use(folder: Path) -> ParameterError:
+    return ParameterError(f"resume folder {folder} is in use by another prune running now: wait for it to finish "
+                          "(it resumes nothing of this run's), or give this run another resume folder")
+
+
+def _check_not_in_use(folder: Path) -> None:
+    from filelock import Timeout
+
+    if not folder.parent.is_dir():
+        return
+    try:
+        with _run_lock(folder):
+            pass
+    except Timeout:
+        raise _in_use(folder) from None
+
+
+def check_folder(folder: str | os.PathLike, expect: dict | None = None, *, in_use: bool = True) -> str:
     """What a resume folder holds, checked before any work: ``new``, ``empty``, ``restart`` (files of ours
     but no commit yet: an interrupted first layer, started again) or ``resume`` (finished layers of this
     run). A file, a foreign folder, a foreign or corrupt ``state.json`` and the layers of another run
@@ -89,6 +130,8 @@ def check_folder(folder: str | os.PathLike, expect: dict | None = None) -> str:
     if not os.access(where, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write in the resume folder {folder} ({where} is read-only for this user): "
                           "give a folder you can write")
+    if in_use and world().rank == 0:  # rank 0 holds the lock for all its ranks (``LayerCheckpoint``)
+        _check_not_in_use(folder)
     if not folder.exists():
         return "new"
     state = _read_state(folder)
@@ -129,9 +172,33 @@ class LayerCheckpoint:
         self.folder, self.fingerprint = Path(folder), json.loads(json.dumps(fingerprint, sort_keys=True, default=str))
         self.clear_when_done = clear_when_done
         # Only a folder of ours is ever written or cleared: never a user's directory given by mistake.
-        if check_folder(self.folder) == "restart" and world().rank == 0:  # killed before its first commit
-            self.clear()
+        found = check_folder(self.folder, in_use=False)
+        self._lock = None
+        if world().rank == 0:
+            self._hold()
+            if found == "restart":  # killed before its first commit
+                clear_folder(self.folder)
         barrier()  # ranks share the folder: none writes before rank 0 has cleared it
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """The prune ended, finished or not: the folder is free for the next run (a resumed one)."""
+        if self._lock is not None and self._lock.is_locked:
+            self._lock.release()
+
+    def _hold(self) -> None:
+        """Rank 0 holds the folder's run lock until the run is done or its process ends: another run given the
+        same folder meanwhile is refused up front (``check_folder``), not mixed into this one."""
+        from filelock import Timeout
+
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = _run_lock(self.folder)
+        try:
+            self._lock.acquire()
+        except Timeout:
+            raise _in_use(self.folder) from None
 
     def load(self) -> dict | None:
         """The finished layers' state, or None if nothing was finished; refuses another run's folder."""

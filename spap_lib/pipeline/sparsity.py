@@ -6,9 +6,10 @@ keeps every width a multiple of a block size, and the plan reports what it then 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from spap_lib.checks import ParameterError, check_sparsity
+from spap_lib.errors import option, option_name
 from spap_lib.model.adapters import Adapter
 from spap_lib.pipeline.blocks import round_to_value
 
@@ -32,6 +33,9 @@ class SparsityPlan:
     params_per_channel: int
     n_remove: int
     round_to: int | None = None  # every kept width a multiple of it, a non-uniform allocation's too
+    # what the method adds to each layer (FLAP's bias slots): in all, at full width, and per channel
+    added_params: int = 0
+    added_per_channel: int = 0
 
     @property
     def mlp_share(self) -> float:
@@ -44,8 +48,17 @@ class SparsityPlan:
 
     @property
     def achieved(self) -> float:
-        """Share of the decoder's parameters the plan removes (``round_to`` moves it off ``sparsity``)."""
-        return self.n_remove * self.params_per_channel * self.layers / self.decoder_params
+        """Share of the decoder's parameters the plan removes (``round_to`` moves it off ``sparsity``), net of what
+        the method adds (``prepared``)."""
+        removed = self.n_remove * (self.params_per_channel + self.added_per_channel) * self.layers
+        return (removed - self.added_params) / self.decoder_params
+
+    def prepared(self, adapter) -> SparsityPlan:
+        """This plan with what a method's ``prepare`` added to ``adapter``'s model (a bias slot): the achieved
+        share it prints before the run is then the one the run reports."""
+        layer = adapter.layers()[0]
+        return replace(self, added_params=adapter.decoder_params() - self.decoder_params,
+                       added_per_channel=adapter.params_per_channel(layer) - self.params_per_channel)
 
     @property
     def max_sparsity(self) -> float:
@@ -81,11 +94,13 @@ def plan_sparsity(adapter: Adapter, sparsity: float, round_to: int | None = None
     plan = SparsityPlan(sparsity, decoder, adapter.mlp_params(), len(layers), width, ppc, n_remove, round_to)
     if sparsity > 0 and n_remove == 0:  # a run at full cost that changes nothing is refused, not reported after
         one = plan.params_per_channel * plan.layers / decoder
-        why = (f"with round_to={round_to} the kept width rounds back to all {width}" if round_to is not None else
+        why = (f"with {option('round_to', round_to)} the kept width rounds back to all {width}"
+               if round_to is not None else
                f"that is less than one MLP channel per layer ({one:.4f} of the decoder parameters)")
         raise ParameterError(
             f"sparsity {sparsity} removes no MLP channel of width {width}: {why}. Use a larger sparsity"
-            + (f" or a round_to well below {width}" if round_to is not None else f" (at least {one:.4f})")
+            + (f" or {option_name('round_to')} well below {width}" if round_to is not None
+               else f" (at least {one:.4f})")
             + " (sparsity 0 saves the dense model unchanged)")
     if n_remove >= width:
         raise ParameterError(
