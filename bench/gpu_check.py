@@ -163,17 +163,23 @@ def pytest_rows() -> list[dict]:
              "seconds": round(time.perf_counter() - t0, 1)}]
 
 
+def _revision() -> str:
+    """The rows' revision: a checkout's commit, or a label where there is no git history (the Docker image), which
+    pandas reads back as text, not as a missing value."""
+    return git_revision() or "no-git-revision"
+
+
 def _done(path: Path, key: str) -> set[str]:
     """Rows of an earlier call at this revision: not measured again."""
     if not path.is_file():
         return set()
     table = pd.read_csv(path)
-    return set(table.loc[table["revision"] == git_revision(), key].astype(str))
+    return set(table.loc[table["revision"] == _revision(), key].astype(str))
 
 
 def _append(path: Path, rows: list[dict]) -> None:
     old = pd.read_csv(path) if path.is_file() else pd.DataFrame()
-    write_csv_atomic(path, pd.concat([old, pd.DataFrame(rows).assign(revision=git_revision())], ignore_index=True))
+    write_csv_atomic(path, pd.concat([old, pd.DataFrame(rows).assign(revision=_revision())], ignore_index=True))
 
 
 def estimate(sizes: Sizes, device_row: str) -> float:
@@ -217,7 +223,7 @@ def run_steps(out: Path, dry: bool, argv: list[str]) -> None:
 
 def summary(out: Path, sizes: Sizes, dry: bool, argv: list[str]) -> str:
     device = pick_device("auto")
-    now = {name: pd.read_csv(out / f"{name}.csv").query("revision == @git_revision()")
+    now = {name: pd.read_csv(out / f"{name}.csv").query("revision == @_revision()")
            for name in ("pytest", "layers", "decode")}
     shown = ["name", "seconds", "plan seconds", "device peak GB", "plan device GB", "host peak GB", "plan host GB",
              "outside band"]

@@ -17,7 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-PAPER = {"nsamples": 128, "seqlen": 2048, "eval_seqlen": 2048}
+from spap_lib.settings import PruneSettings
+
+# The paper's calibration and evaluation windows: ``run.PruneSettings``'s defaults, as 02's parameter cell has them.
+PAPER = {k: getattr(PruneSettings, k) for k in ("nsamples", "seqlen", "eval_seqlen")}
 
 
 def _json_object(text: str) -> dict:
@@ -105,72 +108,31 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _prune(a) -> dict | None:
-    import spap_lib as sl
+    """``spap prune``: ``run.PruneRun``'s steps, on each rank of a data-parallel run (torchrun) or in this process."""
     from spap_lib.artifact.card import command
-    from spap_lib.model.dtypes import pick_dtype, run_dtypes
-    from spap_lib.model.loading import pick_device
-    from spap_lib.numerics.collective import barrier
     from spap_lib.pipeline import distributed
+    from spap_lib.run import PruneRun
 
     w, device = distributed.start(a.device)  # one rank of several under torchrun; else this process alone
-    out = Path(a.out).expanduser()
-    evals = {} if a.no_eval else {"eval_seqlen": a.eval_seqlen, "eval_windows": a.eval_windows}
-    job = sl.check_run(a.model, method=a.method, sparsity=a.sparsity, hparams=a.hparams, nsamples=a.nsamples,
-                       seqlen=a.seqlen, seed=a.seed, round_to=a.round_to, device=device, out_dir=a.out,
-                       overwrite=a.overwrite, offload=a.offload, spill_dir=out.parent, resume_dir=a.resume_dir, **evals)
-    a.round_to = job.round_to  # "auto" or a format's name, as the check resolved it
-    _ranks_agree(a, job, w)
-    dtypes = run_dtypes(a.save_dtype, job.source, job.config, pick_dtype("auto", pick_device(device)))
+    settings = PruneSettings(a.model, method=a.method, sparsity=a.sparsity, nsamples=a.nsamples, seqlen=a.seqlen,
+                             seed=a.seed, device=device, offload=a.offload, save_dtype=a.save_dtype,
+                             hparams=a.hparams, round_to=a.round_to, eval_seqlen=a.eval_seqlen,
+                             eval_windows=a.eval_windows, evaluate=not a.no_eval)
+    run = PruneRun(settings, Path(a.out), overwrite=a.overwrite, resume_dir=a.resume_dir)
+    summary = run.check()
+    if w.parallel:  # the ranks were given the same model and settings, and each has a window to hold
+        distributed.check_size(a.nsamples)
+        distributed.agree("run", run.agreed())
     if w.rank == 0:
-        print(job.summary() + "\n" + dtypes.note(), flush=True)
-    loaded = sl.load(a.model, device=device, offload=job.offload, spill_dir=out.parent)
-    calib = sl.get_calibration(loaded, a.nsamples, a.seqlen, a.seed)
-    distributed.agree("calibration", calib.describe())  # the same windows, of which each rank takes its share
-    ppl = {}
-    if not a.no_eval:
-        ppl["dense"] = sl.dense_perplexity(loaded, a.eval_seqlen, a.eval_windows)
-    report = sl.prune(loaded, calib, a.method, a.sparsity, hparams=a.hparams, seed=a.seed, round_to=a.round_to,
-                      resume_dir=a.resume_dir, clear_resume=False)  # kept until the checkpoint is installed
-    loaded.onloader.round_weights(dtypes.saved)  # what the checkpoint will hold: its perplexity is measured
-    if not a.no_eval:
-        ppl["pruned"] = sl.perplexity(loaded.model, loaded.tokenizer, a.eval_seqlen, a.eval_windows,
-                                      onloader=loaded.onloader)
-    report["perplexity"] = ppl
-    report["plan"] = job.memory_time.as_dict() if job.memory_time else None
-    report["dtype"] = dtypes.as_dict()  # sl.save writes the weights in report["dtype"]["saved"]
-    barrier()  # every rank has finished its layers: only then is anything installed
-    if w.rank == 0:
-        sl.save(loaded, report, out, overwrite=a.overwrite, command=command(a.argv, w.size))
-    loaded.onloader.close()
-    if a.resume_dir is not None and w.rank == 0:  # installed: a kill before here resumes after the last layer
-        from spap_lib.pipeline.resume import clear_folder
-
-        clear_folder(a.resume_dir)
-    barrier()  # a rank exits 0 only once the checkpoint is installed
-    if w.rank > 0:
-        return None
-    # what 02 writes as prune_result.json, and the dtypes computed in and saved in
-    return {**sl.prune_result(a.model, a.method, a.sparsity, out, report), "dtype": report["dtype"]}
-
-
-def _ranks_agree(a, job, w) -> None:
-    """A data-parallel prune's ranks were given the same model and parameters, and each has a window to hold."""
-    from spap_lib.keys import source_key
-    from spap_lib.pipeline import distributed
-
-    if not w.parallel:
-        return
-    distributed.check_size(a.nsamples)
-    distributed.agree("run", {"model": source_key(job.source), "method": a.method, "sparsity": a.sparsity,
-                              "hparams": a.hparams, "nsamples": a.nsamples, "seqlen": a.seqlen, "seed": a.seed,
-                              "round_to": a.round_to, "offload": job.offload, "save_dtype": a.save_dtype,
-                              "out": os.path.abspath(a.out), "no_eval": a.no_eval,
-                              "eval": [a.eval_seqlen, a.eval_windows],
-                              "resume_dir": a.resume_dir and os.path.abspath(a.resume_dir)})
+        print(summary, flush=True)
+    run.load()
+    run.calibrate()
+    run.prune()
+    return run.save(command(a.argv, w.size))
 
 
 def _plan(a) -> str:
-    from spap_lib.checks import Spec
+    from spap_lib.checks import Spec, check_values
     from spap_lib.errors import ParameterError
     from spap_lib.methods import get_method
     from spap_lib.model.loading import pick_device
@@ -181,6 +143,9 @@ def _plan(a) -> str:
 
     if a.list or not a.model:
         return "models: " + " ".join(known_models()) + "\nplanning devices: " + " ".join(THROUGHPUT)
+    check_values(("nsamples", a.nsamples, Spec(int, ge=1)),  # before the ranks that share them
+                 ("device_memory_gb", a.device_memory_gb, Spec(float, gt=0, optional=True)),  # 0 is not "unset"
+                 ("host_memory_gb", a.host_memory_gb, Spec(float, gt=0, optional=True)))
     config, method = model_config(a.model), get_method(a.method)
     a.round_to = resolve_round_to(a.round_to, mlp_width(config), method.pipeline == "layers")
     # what spap prune refuses from the config (a window past the context, a sparsity that removes no channel or
@@ -189,7 +154,6 @@ def _plan(a) -> str:
                  {"round_to": a.round_to})
     device, memory = (a.device, a.device_memory_gb) if a.device else local_device(pick_device("auto"))
     host = a.host_memory_gb if a.host_memory_gb is not None else (available_host_gb() if not a.device else None)
-    Spec(int, ge=1).check("nsamples", a.nsamples)  # before the ranks that share them
     if a.world_size < 1 or a.world_size > a.nsamples:
         raise ParameterError(f"--world-size {a.world_size}: give 1 to --nsamples ({a.nsamples}) ranks; every rank "
                              "holds at least one window")

@@ -69,6 +69,7 @@ from spap_lib.pricing import (
     price_seconds,
     working_share,
 )
+from spap_lib.settings import PruneSettings as PAPER  # the paper's windows, the defaults of a prune
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
@@ -225,7 +226,8 @@ def available_host_gb() -> float | None:
 
 
 def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = None, sparsity: float = 0.2,
-         nsamples: int = 128, seqlen: int = 2048, eval_seqlen: int = 2048, eval_windows: int | None = None,
+         nsamples: int = PAPER.nsamples, seqlen: int = PAPER.seqlen, eval_seqlen: int = PAPER.eval_seqlen,
+         eval_windows: int | None = None,
          device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
          disk_free_gb: float | None = None, offload: str = "auto", dtype: str = "auto", batch_size: int = 1,
          chunk: int = 8192, round_to: int | None = None, config=None) -> Plan:

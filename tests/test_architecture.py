@@ -7,9 +7,11 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "spap_lib"
 # Bottom to top. The foundation (errors, argument checks, atomic files) serves every layer; ``api`` (``sl.prune``)
 # sits between evaluation and the artifact layer, whose grid runs prunes; the entry points above may import all.
-FOUNDATION = ("errors", "checks", "files", "keys")  # keys: the content digests every cache is keyed by
+# keys: the content digests every cache is keyed by; settings: a prune's settings, plain data
+FOUNDATION = ("errors", "checks", "files", "keys", "settings")
 LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "api", "artifact")
-ENTRY = ("validate", "plan", "pricing", "cli", "nbparams")  # pricing: the plan's memory and time model
+# pricing: the plan's memory and time model; run: a prune's steps, which cli and 02 both take
+ENTRY = ("validate", "plan", "pricing", "cli", "nbparams", "run")
 
 
 def _rank(module: str) -> int | None:

@@ -45,14 +45,17 @@ def _process(*args, stdin: str | None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
-@pytest.mark.parametrize("stdin", ["yes\n" * 20, "", None], ids=["yes", "empty", "closed"])
-def test_a_checkpoint_that_carries_code_is_refused_before_it_runs(tiny_checkpoint, tmp_path, where, stdin):
+def test_a_checkpoint_that_carries_code_is_refused_before_it_runs(tiny_checkpoint, tmp_path, where):
+    """Every command, with yes on stdin (what would let transformers run the code); eval also with an empty and a
+    closed stdin (where transformers would ask, or fail with a traceback)."""
     marker = tmp_path / "ran"
     folder = _carry_code(tiny_checkpoint(), marker, where)
-    for command in (("eval", folder, *SHORT[4:]), ("prune", folder, "--out", tmp_path / "o", *SHORT),
-                    ("plan", folder, "--nsamples", "4", "--seqlen", "24")):
+    cases = [(("prune", folder, "--out", tmp_path / "o", *SHORT), "yes\n" * 20),
+             (("plan", folder, "--nsamples", "4", "--seqlen", "24"), "yes\n" * 20),
+             *[(("eval", folder, *SHORT[4:]), stdin) for stdin in ("yes\n" * 20, "", None)]]
+    for command, stdin in cases:
         err = refused(_process(*command, stdin=stdin), "carries code of its own", "evil.", "auto_map")
-        assert "[y/N]" not in err and not marker.exists(), command
+        assert "[y/N]" not in err and not marker.exists(), (command, stdin)
     assert not (tmp_path / "o").exists()
 
 

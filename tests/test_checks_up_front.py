@@ -161,6 +161,8 @@ def test_missing_calibration_or_test_text_is_refused_before_loading(checkpoint, 
     (tmp_path / "data" / "wikitext-2-raw-v1").mkdir(parents=True)
     (tmp_path / "data" / "wikitext-2-raw-v1" / "wiki.valid.raw").write_text(" = Valkyria = \n")
     refused(spap("prune", checkpoint, *TINY, "--out", out), "WikiText-2 test split not found", "wiki.test.raw")
+    monkeypatch.delenv("HF_HUB_OFFLINE")  # a data directory that holds WikiText-2 is its one source: no hub asked
+    refused(spap("prune", checkpoint, *TINY, "--out", out), "holds other splits but not", "wiki.test.raw")
     assert not no_load and not out.exists()
     with pytest.raises(AssertionError, match="the model was loaded"):  # every check passed: on to loading
         spap("prune", checkpoint, *TINY, "--out", out, "--no-eval")
@@ -201,3 +203,24 @@ def test_a_ggufs_dtype_is_that_of_most_of_its_weights(tmp_path, qtype, dtype):
     found, note = source_dtype(ModelSource("m", "gguf", str(tmp_path), "m.gguf"), config=None)
     assert found == dtype
     assert note == (f"GGUF {qtype}/F32, quantized" if dtype is None else f"{str(dtype)[6:]} GGUF")
+
+
+@pytest.mark.parametrize("args,words", [(["--host-memory-gb", "-1"], ["--host-memory-gb must be"]),
+                                        (["--device", "h100", "--device-memory-gb", "0"], ["--device-memory-gb"]),
+                                        (["--nsamples", "0"], ["--nsamples must be"])])
+def test_the_plan_names_the_flags_it_refuses(args, words):
+    err = refused(spap("plan", "llama-3.1-8b", *args), *words)
+    assert "_gb" not in err and "--world-size" not in err
+
+
+def test_calibration_reads_the_data_directorys_validation_split_without_asking_the_hub(tmp_path, monkeypatch):
+    import datasets
+
+    from spap_lib.evaluation.data import calibration_text
+
+    (tmp_path / "wikitext-2-raw-v1").mkdir()
+    (tmp_path / "wikitext-2-raw-v1" / "wiki.valid.raw").write_text(" = Valkyria = \n")
+    monkeypatch.setenv("SPAP_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked the hub"))
+    assert calibration_text().split == "validation"

@@ -56,11 +56,15 @@ class Text:
 
 
 def wikitext(split: str) -> Text:
-    """One split as ``"\\n\\n".join(rows)`` (the standard LLM-pruning protocol)."""
+    """One split as ``"\\n\\n".join(rows)`` (the standard LLM-pruning protocol): from the data directory where it
+    holds WikiText-2 (a split it lacks is not looked for elsewhere: calibration then reads the validation split, as
+    the committed results do), else from the hub cache or the hub."""
     local = data_dir() / WIKITEXT / SPLIT_FILES[split]
     if local.is_file():
         digest = hashlib.sha256(local.read_bytes()).hexdigest()[:16]
         return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
+    if _holds_wikitext():  # the data directory is the source: a split it lacks is not fetched elsewhere
+        raise _not_found(split)
     from datasets import load_dataset
     from huggingface_hub import is_offline_mode
 
@@ -94,6 +98,11 @@ def _not_found(*splits: str, cause: str = "") -> FileNotFoundError:
     from huggingface_hub import constants
 
     files = " or ".join(f"{WIKITEXT}/{SPLIT_FILES[s]}" for s in splits)
+    if _holds_wikitext():
+        return FileNotFoundError(f"WikiText-2 {' or '.join(splits)} split not found: the data directory "
+                                 f"{data_dir() / WIKITEXT} holds other splits but not {files}, and a run reads its "
+                                 "text from one place: add the file there (data/README.md), or point SPAP_DATA_DIR "
+                                 "at a directory that holds it")
     hub = cause or ("the hub (not tried: HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "the hub")
     return FileNotFoundError(
         f"WikiText-2 {' or '.join(splits)} split not found: looked for "
@@ -116,9 +125,13 @@ def check_available(calibration: bool, evaluation: bool) -> None:
         if local is not None:
             read_raw(local)  # readable text, before the model is read
             continue
-        if not any((data_dir() / WIKITEXT / SPLIT_FILES[s]).is_file() or _hub_cached(s) for s in splits) \
-                and is_offline_mode():
+        if _holds_wikitext() or (is_offline_mode() and not any(_hub_cached(s) for s in splits)):
             raise _not_found(*splits)
+
+
+def _holds_wikitext() -> bool:
+    """The data directory holds WikiText-2 (any split): it is then the one source of the text."""
+    return any((data_dir() / WIKITEXT / f).is_file() for f in SPLIT_FILES.values())
 
 
 def calibration_text() -> Text:

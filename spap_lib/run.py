@@ -1,0 +1,120 @@
+"""One prune, written once: the steps that ``spap prune`` and ``notebooks/02_prune.ipynb`` both take, in order.
+
+check (every setting, before any weight is read) → load → calibrate and measure the dense model → prune → round
+the weights to the saved dtype and measure the pruned model → save (installed only if it reloads to the same
+logits) → the result. ``spap prune`` adds the data-parallel ranks (each step agrees or waits where it must; one
+process skips both) and a resume folder; 02 adds its run folder's caches. A defect in this sequence now lives in
+one place.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import spap_lib as sl  # each step through the package's names, which tests replace to see what ran
+from spap_lib.evaluation.data import Calibration
+from spap_lib.model.dtypes import RunDtypes, pick_dtype, run_dtypes
+from spap_lib.model.loading import Loaded, pick_device
+from spap_lib.numerics.collective import barrier, world
+from spap_lib.pipeline import distributed
+from spap_lib.settings import PruneSettings
+from spap_lib.validate import RunCheck
+
+
+@dataclass
+class PruneRun:
+    """A prune's state between its steps. ``run_dir``: 02's folder (calibration and dense-perplexity caches, and
+    protected from ``out_dir``); ``resume_dir``: finished layers kept until the checkpoint is installed."""
+
+    settings: PruneSettings
+    out_dir: Path
+    overwrite: bool = False
+    run_dir: Path | None = None
+    resume_dir: Path | None = None
+    job: RunCheck | None = None
+    dtypes: RunDtypes | None = None
+    loaded: Loaded | None = None
+    calibration: Calibration | None = None
+    report: dict = field(default_factory=dict)
+
+    def check(self) -> str:
+        """Every setting, the model's config, the plan and ``out_dir``, before any weight is read; returns the
+        summary to print (what will run, the plan, the dtypes)."""
+        s = self.settings
+        evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
+        self.job = sl.check_run(
+            s.model, method=s.method, sparsity=s.sparsity, hparams=s.hparams, nsamples=s.nsamples, seqlen=s.seqlen,
+            seed=s.seed, round_to=s.round_to, propagate=s.propagate, device=s.device, out_dir=self.out_dir,
+            run_dir=self.run_dir, overwrite=self.overwrite, offload=s.offload, spill_dir=self._spill(),
+            resume_dir=self.resume_dir, **evals)
+        self.dtypes = run_dtypes(s.save_dtype, self.job.source, self.job.config,
+                                 pick_dtype("auto", pick_device(s.device)))  # a CPU computes in float32
+        return self.job.summary() + "\n" + self.dtypes.note()
+
+    def load(self) -> Loaded:
+        """The model, on the device or one decoder layer at a time (offload cpu/disk)."""
+        if self.run_dir is not None:
+            Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+        self.loaded = sl.load(self.settings.model, device=self.settings.device, offload=self.job.offload,
+                              spill_dir=self._spill())
+        return self.loaded
+
+    def calibrate(self):
+        """The calibration windows (every rank the same ones) and the dense perplexity; 02's run folder caches
+        both."""
+        s, cache = self.settings, self.run_dir
+        self.calibration = sl.get_calibration(self.loaded, s.nsamples, s.seqlen, s.seed,
+                                              cache=cache and cache / "calibration.pt")
+        distributed.agree("calibration", self.calibration.describe())  # each rank takes its share of the same
+        dense = sl.dense_perplexity(self.loaded, s.eval_seqlen, s.eval_windows,
+                                    cache=cache and cache / "dense.json") if s.evaluate else None
+        self.report["perplexity"] = {"dense": dense} if s.evaluate else {}
+        return self.calibration
+
+    def prune(self) -> dict:
+        """The prune, then the weights rounded to the saved dtype: the pruned perplexity is the checkpoint's."""
+        s, ppl = self.settings, self.report.get("perplexity", {})
+        self.report = sl.prune(self.loaded, self.calibration, s.method, s.sparsity, hparams=s.hparams, seed=s.seed,
+                               propagate=s.propagate, round_to=s.round_to, resume_dir=self.resume_dir,
+                               clear_resume=False)  # the finished layers are kept until the checkpoint is installed
+        self.loaded.onloader.round_weights(self.dtypes.saved)
+        if s.evaluate:
+            ppl["pruned"] = sl.perplexity(self.loaded.model, self.loaded.tokenizer, s.eval_seqlen, s.eval_windows,
+                                          onloader=self.loaded.onloader)
+        self.report.update(perplexity=ppl, dtype=self.dtypes.as_dict(),  # save writes the weights in "saved"
+                           plan=self.job.memory_time.as_dict() if self.job.memory_time else None)
+        return self.report
+
+    def save(self, command: str) -> dict | None:
+        """Install the checkpoint (rank 0, once every rank has finished its layers), free the model and the
+        resume folder; the result as 02's ``prune_result.json`` holds it (None on the other ranks)."""
+        barrier()
+        rank = world().rank
+        if rank == 0:
+            sl.save(self.loaded, self.report, self.out_dir, overwrite=self.overwrite, command=command,
+                    protect={"the run folder": self.run_dir} if self.run_dir else None)
+        self.loaded.onloader.close()  # offload="disk": the spill folder goes (the checkpoint holds the layers)
+        if self.resume_dir is not None and rank == 0:  # installed: a kill before here resumes after the last layer
+            from spap_lib.pipeline.resume import clear_folder
+
+            clear_folder(self.resume_dir)
+        barrier()  # a rank ends only once the checkpoint is installed
+        if rank > 0:
+            return None
+        s = self.settings
+        return {**sl.prune_result(s.model, s.method, s.sparsity, self.out_dir, self.report),
+                "dtype": self.report["dtype"]}
+
+    def agreed(self) -> dict:
+        """What every rank of a data-parallel prune must have been given alike."""
+        from spap_lib.keys import source_key
+
+        given = {k: v for k, v in asdict(self.settings).items() if k != "device"}  # cuda:<rank> on each rank
+        return {**given, "model": source_key(self.job.source), "offload": self.job.offload,
+                "out": os.path.abspath(self.out_dir),  # one folder, whether given relative or absolute
+                "resume_dir": self.resume_dir and os.path.abspath(self.resume_dir)}
+
+    def _spill(self) -> Path:
+        """Where an offloaded model's spill folder goes: the run folder, else beside ``out_dir``."""
+        return self.run_dir or Path(self.out_dir).expanduser().parent
