@@ -170,7 +170,7 @@ def test_the_notebooks_run_from_the_hub_cache(offline_hub, short_text, tmp_path,
     for nb in CHAIN:
         params = smoke(nb, run_dir=str(run))
         params.update({k: v for k, v in {"model": repo, "variant_round_to": [None, 16]}.items() if k in params})
-        params.update({"models": [repo], "methods": ["magnitude", "spap"]} if nb.startswith("03") else {})
+        params.update({"models": [repo], "methods": ["magnitude", "fasp"]} if nb.startswith("03") else {})
         pm.execute_notebook(NOTEBOOKS / nb, tmp_path / nb, parameters=params, progress_bar=False,
                             cwd=str(NOTEBOOKS))
     assert set(stored_dtypes(ModelSource("p", "dir", str(run / "pruned")))[0]) == {"BF16"}

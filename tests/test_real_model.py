@@ -31,9 +31,9 @@ def test_gguf_streams_tensor_by_tensor_to_the_same_weights(tmp_path):
 
 @pytest.mark.slow
 def test_committed_headline_cells_reproduce():
-    """Regression check of the committed results: the dense and FASP 20% cells of SmolLM2 in
-    results/ablation.csv (the grid's protocol; FASP is the cheapest cell that calibrates, refits and
-    propagates, ~2 min here) re-run now give the recorded perplexities within 0.1% (float32 sums in
+    """Regression check of the committed results: the FASP 20% cell of SmolLM2 in results/ablation.csv (the grid's
+    protocol; FASP is the cheapest cell that calibrates, refits and propagates) re-run now gives the recorded
+    perplexity within 0.1% (float32 sums in
     another order; the cells were recorded on this 2-core CPU). The rows record no tokenizer: they were measured
     with transformers' build of the GGUF's tokenizer, which the cells are re-run with here; the grid sees that
     ``sl.load``'s own split is another tokenizer and does not count them as done."""
@@ -62,8 +62,8 @@ def test_committed_headline_cells_reproduce():
     assert same_tokenizer(grid, tokenizer_digest(tokenizer), rebuilt=False).all()
     ids = tokenize(tokenizer, sl.wikitext("test").text)
     windows = int(dense_row["eval_windows"])
-    dense = sl.perplexity_of_ids(loaded.model, ids, 512, windows, progress=False)["ppl"]
-    assert dense == pytest.approx(float(dense_row["ppl"]), rel=1e-3)
+    # the dense cell's perplexity protocol is pinned by the smoke chain (SMOKE_PPL, 0.1%); here the prune's cell
+    assert windows == int(fasp_row["eval_windows"])
     calib = sl.calibration_windows(tokenizer, int(fasp_row["nsamples"]), int(fasp_row["seqlen"]),
                                    int(fasp_row["seed"]))
     sl.prune(loaded, calib, "fasp", 0.2, progress=False)
