@@ -113,6 +113,11 @@ def source_key(source) -> str:
         parts = folder_digests(source.path)
     else:
         parts = {"hub": source.path, "snapshot": getattr(hub_snapshot(source.path), "name", None)}
+    return parts_key(parts)
+
+
+def parts_key(parts: dict) -> str:
+    """One short name for a dict of digests (a folder's files, a GGUF, a hub snapshot): what a model is keyed by."""
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -2,8 +2,6 @@
 reloads, the way users will load it, to the same logits; then the folder is installed atomically."""
 from __future__ import annotations
 
-import hashlib
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from spap_lib.artifact.manifest import (
 )
 from spap_lib.errors import CheckpointError, option
 from spap_lib.files import locked, records_lock, write_json_atomic, write_text_atomic
+from spap_lib.keys import parts_key
 from spap_lib.model.capture import streamed_logits
 from spap_lib.model.dtypes import dtype_name, run_dtypes, saved_dtype
 from spap_lib.model.formats import format_of_report
@@ -215,8 +214,7 @@ def add_evaluation(folder: str | Path, evaluation: dict, digests: dict | None) -
             if checkpoint_digests(folder) != digests:
                 return (f"{folder} was replaced while it was evaluated, so the result belongs to the model it held "
                         "before; evaluate it again to record the new one")
-            model = "sha256:" + hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:24] \
-                if digests else None
+            model = parts_key(digests) if digests else None  # as keys.source_key names the folder's model
             fields["evaluations"] = [*fields.get("evaluations", []), {**evaluation, "model": model}]
             write_json_atomic(folder / MANIFEST, fields)
             user_card = (folder / CARD).read_text() if (folder / CARD).is_file() else ""
