@@ -14,6 +14,8 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 # Extra papermill arguments for ablate (or chain: only names every notebook declares, e.g. device),
 # e.g. ARGS="-p resume False" to recompute the grid from scratch.
 ARGS ?=
+# make test: how many of the slowest tests it lists
+DURATIONS ?= 15
 
 .PHONY: setup setup-qwen setup-engines engines engines-round-to main test smoke paper offline chain ablate ablate-qwen figures gpu-check clean
 
@@ -144,7 +146,8 @@ test: setup
 		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml \
 			-p run_dir $(SMOKE_RUN) || exit 1; \
 	done
-	SPAP_CACHE_DIR=$(CURDIR)/build/cache SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=15 --nbval-lax $(SMOKE_NB) tests
+	SPAP_CACHE_DIR=$(CURDIR)/build/cache SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=$(DURATIONS) --nbval-lax \
+		$(SMOKE_NB) tests
 
 clean:
 	rm -rf runs

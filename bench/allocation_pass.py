@@ -53,7 +53,7 @@ def main(argv=None) -> None:
             dense = method.dense_pass(True)
             curve = method.error_curve if dense.curves else None
             t0 = time.perf_counter()
-            stats[p] = dense_stats(adapter, inputs, curve=curve, channels=dense.channels, low=dense.bf16,
+            stats[p] = dense_stats(adapter, inputs, curve=curve, channels=dense.channels, in_bf16=dense.bf16,
                                    run=RunSettings(progress=False))
             seconds[p].append(time.perf_counter() - t0)
             print(p, round(seconds[p][-1], 2), flush=True)

@@ -26,8 +26,7 @@ def random_checkpoint(alias: str, layers: int, device: torch.device, shrink: dic
 
     from spap_lib.files import REPO, atomic_dir
     from spap_lib.model.dtypes import pick_dtype
-    from spap_lib.model.loading import read_config
-    from spap_lib.model.sources import resolve
+    from spap_lib.model.loading import read_config, resolve
     from spap_lib.plan import shipped_config
 
     dtype = pick_dtype("auto", device)  # the dtype ``sl.load`` gives it on ``device``
@@ -61,7 +60,7 @@ def random_gguf(alias: str, layers: int, like: str) -> Path:
     from gguf import GGUFReader, GGUFValueType, GGUFWriter, quantize
 
     from spap_lib.files import REPO
-    from spap_lib.model.sources import resolve
+    from spap_lib.model.loading import resolve
     from spap_lib.plan import shipped_config
 
     source = resolve(like)

@@ -194,6 +194,16 @@ def estimate(sizes: Sizes, device_row: str) -> float:
     return PYTEST_S + BUILD_S + prune + PROCESS_S * len(CASES) + DECODE_VARIANT_S * 4
 
 
+def _child_case(case: Case, dry: bool) -> dict:
+    """``measure_layer`` in a process of its own (``--case``): its row."""
+    child = [sys.executable, __file__, "--case", case.name, *(["--dry"] if dry else [])]
+    proc = subprocess.run(child, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"{case.name} failed (rerun to resume after the rows already written)")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_steps(out: Path, dry: bool, argv: list[str]) -> None:
     sizes = Sizes.of(dry)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,17 +213,14 @@ def run_steps(out: Path, dry: bool, argv: list[str]) -> None:
     if "pytest -m gpu" not in _done(out / "pytest.csv", "command"):
         _append(out / "pytest.csv", pytest_rows())
     layers = out / "layers.csv"
-    for case in CASES:
+    for i, case in enumerate(CASES):
         if case.name in _done(layers, "name"):
             print(f"{case.name}: measured already at this revision", flush=True)
             continue
         checkpoint(case.alias, 1, pick_device("auto"), dry)  # built here: the child's host peak is the prune's
-        child = [sys.executable, __file__, "--case", case.name, *(["--dry"] if dry else [])]
-        proc = subprocess.run(child, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"{case.name} failed (rerun to resume after the rows already written)")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        # each case in a process of its own, for its host peak; a dry run's tiny rows are no figures, so after the
+        # first (the child's path proved) they run in this process and spare a start each
+        row = measure_layer(case, sizes, dry) if dry and i > 0 else _child_case(case, dry)
         _append(layers, [row])
         print(f"{case.name}: {row['seconds']:.2f} s (plan {row['plan seconds']:.2f} s) {row['outside band']}",
               flush=True)

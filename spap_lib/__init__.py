@@ -12,8 +12,8 @@ from spap_lib.evaluation.perplexity import perplexity, perplexity_of_ids
 from spap_lib.files import REPO, write_json_atomic
 from spap_lib.methods import METHODS, get_method
 from spap_lib.model.adapters import MLP, get_adapter, supported_model_types
-from spap_lib.model.loading import load
-from spap_lib.model.sources import OFFLINE_DEFAULT, known_models, resolve
+from spap_lib.model.loading import load, resolve
+from spap_lib.model.sources import OFFLINE_DEFAULT, known_models
 from spap_lib.pipeline.sequential import RunSettings, prune_model
 from spap_lib.pipeline.sparsity import plan_sparsity
 from spap_lib.validate import check_run

@@ -18,7 +18,6 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import yaml
 
@@ -171,6 +170,7 @@ def _base_type(annotation) -> tuple[type, bool]:
 
 # Names IPython puts in every namespace; anything else that is not declared was injected by papermill.
 _IPYTHON_NAMES = {"In", "Out"}
+_INJECTED = (str, int, float, bool, list, dict, type(None))  # what a YAML or -p value can be
 
 
 def check_notebook_parameters(namespace: dict, notebook: str) -> None:
@@ -182,9 +182,11 @@ def check_notebook_parameters(namespace: dict, notebook: str) -> None:
     """
     set_surface("papermill")  # from here on, refusals name ``-p name value``
     declared = dict(namespace.get("__annotations__", {}))
+    # papermill injects YAML values only: a name bound to anything else (a function, a module, the paper's settings
+    # the cell imports) was not injected
     unknown = sorted(name for name, value in namespace.items()
                      if not name.startswith("_") and name not in declared and name not in _IPYTHON_NAMES
-                     and not callable(value) and not isinstance(value, ModuleType))
+                     and isinstance(value, _INJECTED))
     if unknown:
         hints = []
         for name in unknown:

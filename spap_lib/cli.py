@@ -17,33 +17,13 @@ import os
 import sys
 from pathlib import Path
 
-from spap_lib.settings import PruneSettings
+from spap_lib.settings import RunConfig, add_options, options
 
-# The paper's calibration and evaluation windows: ``run.PruneSettings``'s defaults, as 02's parameter cell has them.
-PAPER = {k: getattr(PruneSettings, k) for k in ("nsamples", "seqlen", "eval_seqlen")}
-
-
-def _json_object(text: str) -> dict:
-    """``--hparams``: a JSON object, or an error that quotes the text and says what is wrong with it."""
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err}); write e.g. '{{\"K\": 10, \"t\": 0.5}}' "
-                                         "(double quotes inside single quotes)") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object of name: value pairs, "
-                                         "e.g. '{\"K\": 10}'")
-    return value
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--offload", default="auto", help="none | cpu | disk | auto (what the plan says fits)")
-
-
-def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--eval-seqlen", type=int, default=PAPER["eval_seqlen"], help="perplexity window (paper: 2048)")
-    p.add_argument("--eval-windows", type=int, default=None, help="cap on test windows (default: the whole split)")
+# The options that ``RunConfig`` declares, per command: their types, help and defaults come from there.
+PRUNE = ("method", "sparsity", "nsamples", "seqlen", "seed", "hparams", "round_to", "save_dtype", "device", "offload",
+         "eval_seqlen", "eval_windows")
+PLAN = ("method", "sparsity", "nsamples", "seqlen", "offload", "round_to", "eval_seqlen", "eval_windows")
+EVAL = ("device", "offload", "eval_seqlen", "eval_windows")
 
 
 def _path(text: str) -> str:
@@ -61,49 +41,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="alias (spap plan --list), hub id, local checkpoint dir or .gguf file")
     p.add_argument("--out", required=True, type=_path,
                    help="checkpoint directory (new, empty, or a previous spap checkpoint)")
-    p.add_argument("--method", default="spap", help="a registered method or a composition, e.g. spap/select=act_norm")
-    p.add_argument("--sparsity", type=float, default=0.2, help="share of decoder parameters to remove")
-    p.add_argument("--nsamples", type=int, default=PAPER["nsamples"], help="calibration windows (paper: 128)")
-    p.add_argument("--seqlen", type=int, default=PAPER["seqlen"], help="tokens per calibration window (paper: 2048)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hparams", type=_json_object, default={},
-                   help='method hyperparameters as JSON, e.g. \'{"K": 10}\'')
-    p.add_argument("--round-to", default="auto", help="kept MLP widths a multiple of this: a number, or a format "
-                   "whose blocks must divide them (q8_0, q4_k_m, tensor_core ...: spap_lib.pipeline.blocks); none: the "
-                   "method's own widths (the paper's); auto: 32 where the MLP is 512 or wider (docs/llamacpp.md)")
+    # the command line keeps widths that llama.cpp's blocks divide (docs/llamacpp.md); 02 the paper's own
+    add_options(p, PRUNE, round_to="auto")
     p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
     p.add_argument("--no-eval", action="store_true", help="skip the dense and pruned perplexity")
     p.add_argument("--resume-dir", default=None, type=_path,
                    help="save every finished layer here; rerunning the same command "
                    "resumes after the last one (hours-long prunes); removed when the prune completes")
-    p.add_argument("--save-dtype", default="auto", help="auto | float32 | bfloat16 | float16: the saved checkpoint's; "
-                   "auto: the source's when it is half precision (a CPU prunes in float32), else the one pruned in")
-    _common(p)
-    _eval_args(p)
 
     p = sub.add_parser("plan", help="peak memory and time of a prune, from the config alone")
     p.add_argument("model", nargs="?", help="alias, hub id, local checkpoint dir or .gguf file")
     p.add_argument("--list", action="store_true", help="list the model aliases and planning devices")
-    p.add_argument("--method", default="spap", help="a registered method or a composition, e.g. spap/select=act_norm")
-    p.add_argument("--sparsity", type=float, default=0.2)
-    p.add_argument("--nsamples", type=int, default=PAPER["nsamples"])
-    p.add_argument("--seqlen", type=int, default=PAPER["seqlen"])
+    add_options(p, PLAN, round_to="auto")
     p.add_argument("--device", default=None, help="a row of throughput.json (h100, rtx4090, cpu-2core); "
                                                    "default: this machine's")
     p.add_argument("--device-memory-gb", type=float, default=None)
     p.add_argument("--host-memory-gb", type=float, default=None)
-    p.add_argument("--offload", default="auto")
-    p.add_argument("--round-to", default="auto", help="kept MLP widths a multiple of this (as spap prune)")
     p.add_argument("--world-size", type=int, default=1, help="ranks of a torchrun prune: one rank's memory and "
                    "time (its share of the windows), and the all-reduce traffic")
     p.add_argument("--link", choices=("nvlink", "ethernet"), default=None, help="the ranks' link, whose rate prices "
                    "the all-reduce in the plan's time (default: nvlink for a GPU, ethernet for a CPU)")
-    _eval_args(p)
 
     p = sub.add_parser("eval", help="WikiText-2 perplexity of a model or checkpoint")
     p.add_argument("model", help="a spap checkpoint, alias, hub id, local dir or .gguf file")
-    _common(p)
-    _eval_args(p)
+    add_options(p, EVAL)
     return ap
 
 
@@ -114,10 +75,7 @@ def _prune(a) -> dict | None:
     from spap_lib.run import PruneRun
 
     w, device = distributed.start(a.device)  # one rank of several under torchrun; else this process alone
-    settings = PruneSettings(a.model, method=a.method, sparsity=a.sparsity, nsamples=a.nsamples, seqlen=a.seqlen,
-                             seed=a.seed, device=device, offload=a.offload, save_dtype=a.save_dtype,
-                             hparams=a.hparams, round_to=a.round_to, eval_seqlen=a.eval_seqlen,
-                             eval_windows=a.eval_windows, evaluate=not a.no_eval)
+    settings = RunConfig(a.model, **{**options(PRUNE, a), "device": device}, evaluate=not a.no_eval)
     run = PruneRun(settings, Path(a.out), overwrite=a.overwrite, resume_dir=a.resume_dir)
     summary = run.check()
     if w.parallel:  # the ranks were given the same model and settings, and each has a window to hold

@@ -85,7 +85,8 @@ def clean_leftovers(path: str | os.PathLike) -> list[Path]:
 
 
 def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE). False where unsupported."""
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE). False where unsupported. Kept by hand: a file
+    is replaced with ``os.replace``, but no library swaps a non-empty directory for another in one step."""
     fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if platform.system() == "Linux" else None
     if fn is None:
         return False
@@ -231,11 +232,15 @@ def records_lock(folder: str | os.PathLike) -> Path:
 # -- where spap keeps what it assembles and hashes --------------------------------------------------
 
 
-def cache_dir() -> Path:
-    """Where assembled model files and the digest record live: ``$SPAP_CACHE``, else ``$XDG_CACHE_HOME/spap``,
-    else ~/.cache/spap."""
-    if os.environ.get("SPAP_CACHE"):
-        return Path(os.environ["SPAP_CACHE"]).expanduser()
+def cache_dir() -> Path | None:
+    """spap's one cache folder: assembled model files, GGUF conversions (``model.converted``) and the record of
+    large files' digests (``keys.file_digest``). ``$SPAP_CACHE_DIR``, else ``$XDG_CACHE_HOME/spap``, else
+    ~/.cache/spap; None where ``SPAP_CACHE_DIR=off``: nothing is kept between processes."""
+    named = os.environ.get("SPAP_CACHE_DIR")
+    if named == "off":
+        return None
+    if named:
+        return Path(named).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "spap"
 
 

@@ -25,8 +25,9 @@ from spap_lib.files import cache_dir, hub_snapshot, locked, write_json_atomic
 NOT_CONTENT = ("spap_manifest.json", "README.md")
 
 
-def _memo_path() -> Path:
-    return cache_dir() / "digests.json"
+def _memo_path() -> Path | None:
+    root = cache_dir()
+    return None if root is None else root / "digests.json"
 
 
 def _identity(path: Path) -> list:
@@ -35,6 +36,7 @@ def _identity(path: Path) -> list:
 
 
 def sha256_of(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's content, read in blocks: spap's one file hash (``file_digest`` records it)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -46,9 +48,9 @@ def file_digest(path: str | os.PathLike, memo_above: int = 1 << 24) -> str:
     """The sha256 of ``path``'s content; files over ``memo_above`` bytes are hashed once per identity."""
     path = Path(path).resolve()
     identity = _identity(path)
-    if identity[0] <= memo_above:
-        return sha256_of(path)
     memo = _memo_path()
+    if identity[0] <= memo_above or memo is None:  # small, or the cache is off: hashed every time
+        return sha256_of(path)
     try:
         known = json.loads(memo.read_text()).get(str(path)) if memo.is_file() else None
     except (OSError, ValueError):  # a damaged record is only a lost shortcut

@@ -51,7 +51,6 @@ from pathlib import Path
 import torch
 
 from spap_lib.checks import ParameterError, Spec, check_values
-from spap_lib.methods import DEFAULT_METHOD
 from spap_lib.model.adapters import get_adapter
 from spap_lib.model.offload import check_offload
 from spap_lib.pipeline.blocks import round_to_value
@@ -69,7 +68,7 @@ from spap_lib.pricing import (
     price_seconds,
     working_share,
 )
-from spap_lib.settings import PruneSettings as PAPER  # the paper's windows, the defaults of a prune
+from spap_lib.settings import PAPER, spec  # the paper's settings, the defaults of a prune
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
@@ -87,8 +86,7 @@ def shipped_config(alias: str):
 
 def model_config(model: str):
     """The config a plan reads: the shipped one of a paper alias (offline), else the checkpoint's or GGUF's."""
-    from spap_lib.model.loading import read_config
-    from spap_lib.model.sources import resolve
+    from spap_lib.model.loading import read_config, resolve
 
     return shipped_config(model) or read_config(resolve(model))
 
@@ -225,42 +223,62 @@ def available_host_gb() -> float | None:
         return None
 
 
-def plan(model: str, *, method: str = DEFAULT_METHOD, hparams: dict | None = None, sparsity: float = 0.2,
-         nsamples: int = PAPER.nsamples, seqlen: int = PAPER.seqlen, eval_seqlen: int = PAPER.eval_seqlen,
-         eval_windows: int | None = None,
-         device: str = "cpu-2core", device_memory_gb: float | None = None, host_memory_gb: float | None = None,
-         disk_free_gb: float | None = None, offload: str = "auto", dtype: str = "auto", batch_size: int = 1,
-         chunk: int = 8192, round_to: int | None = None, config=None) -> Plan:
-    """Peak memory and time of pruning ``model`` (alias, checkpoint dir or .gguf) before any weight is read.
+@dataclass(frozen=True)
+class PlanRequest:
+    """What ``plan`` prices (its keywords): a prune's settings, the paper's by default (``RunConfig``), and the
+    machine: ``device`` names a row of ``throughput.json`` (its ``memory_gb`` is the default ``device_memory_gb``);
+    ``dtype="auto"`` is float32 on a CPU row, bfloat16 on a GPU row. ``offload="auto"`` picks the fastest of none,
+    cpu, disk that fits the device, the host memory and (disk) ``disk_free_gb``; limits left at None are not
+    checked. ``round_to`` prices the kept width the prune will have (``pipeline.channels_removed``). ``config``
+    skips reading the model's config again when the caller has it."""
 
-    ``device`` names a row of ``throughput.json`` (its ``memory_gb`` is the default
-    ``device_memory_gb``); ``dtype="auto"`` is float32 on a CPU row, bfloat16 on a GPU row.
-    ``offload="auto"`` picks the fastest of none, cpu, disk that fits the device, the host memory and
-    (disk) ``disk_free_gb``; limits left at None are not checked. ``round_to`` prices the kept width the prune will
-    have (``pipeline.channels_removed``). ``config`` skips reading the
-    model's config again when the caller has it.
-    """
+    method: str = PAPER.method
+    hparams: dict | None = None
+    sparsity: float = PAPER.sparsity
+    nsamples: int = PAPER.nsamples
+    seqlen: int = PAPER.seqlen
+    eval_seqlen: int = PAPER.eval_seqlen
+    eval_windows: int | None = PAPER.eval_windows
+    device: str = "cpu-2core"
+    device_memory_gb: float | None = None
+    host_memory_gb: float | None = None
+    disk_free_gb: float | None = None
+    offload: str = "auto"
+    dtype: str = "auto"
+    batch_size: int = 1
+    chunk: int = 8192
+    round_to: int | None = None
+    config: object = None
+
+    def __post_init__(self) -> None:  # a prune's settings take ``RunConfig``'s types and ranges
+        check_values(*((name, getattr(self, name), spec(name)) for name in ("nsamples", "seqlen", "eval_seqlen",
+                                                                              "sparsity")),
+                     ("eval_windows", self.eval_windows, spec("eval_windows", optional=True)),
+                     ("batch_size", self.batch_size, Spec(int, ge=1)),
+                     ("device_memory_gb", self.device_memory_gb, Spec(float, gt=0, optional=True)),
+                     ("host_memory_gb", self.host_memory_gb, Spec(float, gt=0, optional=True)),
+                     ("disk_free_gb", self.disk_free_gb, Spec(float, ge=0, optional=True)))
+
+
+def plan(model: str, **settings) -> Plan:
+    """Peak memory and time of pruning ``model`` (alias, checkpoint dir or .gguf) before any weight is read;
+    ``settings`` are ``PlanRequest``'s."""
     from spap_lib.methods import get_method
 
+    r = PlanRequest(**settings)
+    device, offload = r.device, r.offload
     if device not in THROUGHPUT:
         raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)} "
                              "(add a row with bench/throughput.py)")
     check_offload(offload)
-    round_to = round_to_value(round_to)
-    check_values(("nsamples", nsamples, Spec(int, ge=1)), ("seqlen", seqlen, Spec(int, ge=2)),
-                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2)),
-                 ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
-                 ("sparsity", sparsity, Spec(float, ge=0, lt=1)), ("batch_size", batch_size, Spec(int, ge=1)),
-                 ("device_memory_gb", device_memory_gb, Spec(float, gt=0, optional=True)),
-                 ("host_memory_gb", host_memory_gb, Spec(float, gt=0, optional=True)),
-                 ("disk_free_gb", disk_free_gb, Spec(float, ge=0, optional=True)))
-    algo = get_method(method, **(hparams or {}))
-    config = config or model_config(model)
+    round_to = round_to_value(r.round_to)
+    algo = get_method(r.method, **(r.hparams or {}))
+    config = r.config or model_config(model)
     algo.check_config(config)  # an architecture the method cannot prune is refused here too
-    job = Job(algo=algo, c=_counts(config), sparsity=sparsity, N=nsamples * seqlen, seqlen=seqlen,
-              eval_seqlen=eval_seqlen, eval_windows=eval_windows, device=device, dtype=dtype, batch_size=batch_size,
-              chunk=chunk, round_to=round_to)
-    limits = Limits(device_memory_gb or THROUGHPUT[device].get("memory_gb"), host_memory_gb, disk_free_gb)
+    job = Job(algo=algo, c=_counts(config), sparsity=r.sparsity, N=r.nsamples * r.seqlen, seqlen=r.seqlen,
+              eval_seqlen=r.eval_seqlen, eval_windows=r.eval_windows, device=device, dtype=r.dtype,
+              batch_size=r.batch_size, chunk=r.chunk, round_to=round_to)
+    limits = Limits(r.device_memory_gb or THROUGHPUT[device].get("memory_gb"), r.host_memory_gb, r.disk_free_gb)
     if offload != "auto":
         return _plan_one(model, offload, job, limits)
     plans = [_plan_one(model, mode, job, limits) for mode in ("none", "cpu", "disk")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from spap_lib.evaluation.perplexity import LOSS_CHUNK
 from spap_lib.methods import Method
-from spap_lib.methods.cost_model import Shapes
+from spap_lib.methods.cost_model import Shapes, pricing
 from spap_lib.numerics import bf16
 from spap_lib.numerics.linalg import chunk_for, resolve_precision
 from spap_lib.pipeline.sparsity import channels_removed
@@ -99,9 +99,9 @@ def layout(job: Job, offload: str) -> _Layout:
     streamed = gpu and not resident
     # the sequential pipeline passes over an MLP's tokens in chunks sized for its width (``LayerProblem.of``); a
     # method of the whole model uses ``chunk`` as it is
-    shapes = Shapes(N=job.N, d=c["hidden"], n=n, n_keep=n_keep, in_proj=c["in_proj"], p=p, b=b, vocab=c["vocab"],
-                    tied=c["tied"], chunk=chunk_for(n, job.chunk) if algo.pipeline == "layers" else job.chunk,
-                    streamed=streamed)
+    shapes = Shapes(N=job.N, d=c["hidden"], n=n, n_keep=n_keep, in_proj=c["in_proj"], solve_bytes=p, weight_bytes=b,
+                    vocab=c["vocab"], tied=c["tied"], streamed=streamed,
+                    chunk=chunk_for(n, job.chunk) if algo.pipeline == "layers" else job.chunk)
     return _Layout(gpu, resident, streamed, b, p, precision, n_keep, shapes, c["decoder"] / L * b,
                    (c["total"] - c["decoder"]) * b)
 
@@ -118,10 +118,11 @@ def price_memory(job: Job, offload: str, lay: _Layout) -> tuple[dict, float, flo
               "calibration activations": (2 * N * d * b if lay.resident else 0)
               + (0 if lay.streamed else solver_inputs),
               BATCH: job.batch_size * job.seqlen * (c["heads"] * job.seqlen * 4 + 4 * n * b + 6 * d * b)}
-    memory.update(algo.working_set(lay.shapes))  # the solver's (or a whole-model method's) own
-    kept = sum(algo.host_set(lay.shapes).values())  # host memory: on a CPU the device's own
+    priced = pricing(algo)
+    memory.update(priced.working_set(algo, lay.shapes))  # the solver's (or a whole-model method's) own
+    kept = sum(priced.host_set(algo, lay.shapes).values())  # host memory: on a CPU the device's own
     if not lay.gpu:
-        memory.update(algo.host_set(lay.shapes))
+        memory.update(priced.host_set(algo, lay.shapes))
     # a window's logits and the float32 loss of one span of positions; streamed, only one span's logits exist
     span = min(LOSS_CHUNK, job.eval_seqlen)
     memory["evaluation logits"] = (job.eval_seqlen if lay.resident else span) * V * b + span * V * 8
@@ -188,7 +189,7 @@ def price_seconds(job: Job, offload: str, lay: _Layout) -> tuple[dict[str, float
     dense_pass = (attention + mlp) * (passes - 2) / dense_rate if algo.propagates else 0.0
     batches = -(-N // (job.seqlen * job.batch_size))
     seconds = {"calibration forward passes": L * (work / model_rate + dense_pass + passes * batches * step)}
-    own = algo.cost(lay.shapes)
+    own = pricing(algo).cost(algo, lay.shapes)
     for name, amount in own.items():
         seconds[name] = L * stage(amount)
     eval_tokens = job.eval_seqlen * job.eval_windows if job.eval_windows else WIKITEXT2_TEST_TOKENS

@@ -18,7 +18,7 @@ from spap_lib.model.dtypes import RunDtypes, pick_dtype, run_dtypes
 from spap_lib.model.loading import Loaded, pick_device
 from spap_lib.numerics.collective import barrier, world
 from spap_lib.pipeline import distributed
-from spap_lib.settings import PruneSettings
+from spap_lib.settings import RunConfig
 from spap_lib.validate import RunCheck
 
 
@@ -27,7 +27,7 @@ class PruneRun:
     """A prune's state between its steps. ``run_dir``: 02's folder (calibration and dense-perplexity caches, and
     protected from ``out_dir``); ``resume_dir``: finished layers kept until the checkpoint is installed."""
 
-    settings: PruneSettings
+    settings: RunConfig
     out_dir: Path
     overwrite: bool = False
     run_dir: Path | None = None

@@ -22,9 +22,10 @@ from spap_lib.errors import OutputError, ParameterError, current_surface, option
 from spap_lib.evaluation.data import check_available
 from spap_lib.methods import Method, get_method
 from spap_lib.model.adapters import get_adapter
-from spap_lib.model.loading import context_length, pick_device, read_config
+from spap_lib.model.formats import format_of
+from spap_lib.model.loading import context_length, pick_device, read_config, resolve
 from spap_lib.model.offload import check_offload, remove_dead_spills
-from spap_lib.model.sources import ModelSource, resolve
+from spap_lib.model.sources import ModelSource
 from spap_lib.model.stores import SafetensorsStore
 from spap_lib.numerics import bf16
 from spap_lib.pipeline import resume
@@ -32,6 +33,7 @@ from spap_lib.pipeline.blocks import AUTO, AUTO_MIN_WIDTH, is_auto, resolve_roun
 from spap_lib.pipeline.distributed import one_process
 from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
 from spap_lib.plan import Plan, available_host_gb, local_device, mlp_width, plan, size
+from spap_lib.settings import spec
 
 
 @dataclass
@@ -87,13 +89,39 @@ class RunCheck:
         return "\n".join(lines)
 
 
-def check_run(model: str, *, method: str | None = None, sparsity: float | None = None, hparams: dict | None = None,
-              nsamples: int | None = None, seqlen: int | None = None, eval_seqlen: int | None = None,
-              eval_windows: int | None = None, seed: int = 0, round_to: int | None = None,
-              propagate: bool | None = None, device: str = "auto", out_dir: str | Path | None = None,
-              run_dir: str | Path | None = None, overwrite: bool = False, offload: str = "auto",
-              spill_dir: str | Path | None = None, resume_dir: str | Path | None = None) -> RunCheck:
+@dataclass(frozen=True)
+class RunRequest:
+    """What ``check_run`` is asked (its keywords): ``RunConfig``'s settings of the parts this run has, each left
+    None where the run has no such part (no ``method``: nothing is pruned; no ``sparsity``: no plan; no
+    ``nsamples``: no calibration; no ``eval_seqlen``: no perplexity), and the folders it writes."""
+
+    method: str | None = None
+    sparsity: float | None = None
+    hparams: dict | None = None
+    nsamples: int | None = None
+    seqlen: int | None = None
+    eval_seqlen: int | None = None
+    eval_windows: int | None = None
+    seed: int = 0
+    round_to: int | str | None = None
+    propagate: bool | None = None
+    device: str = "auto"
+    offload: str = "auto"
+    out_dir: str | Path | None = None
+    run_dir: str | Path | None = None
+    overwrite: bool = False
+    spill_dir: str | Path | None = None
+    resume_dir: str | Path | None = None
+
+    def __post_init__(self) -> None:  # each setting's type and range are ``RunConfig``'s
+        check_values(*((name, getattr(self, name), spec(name, optional=name != "seed"))
+                       for name in ("nsamples", "seqlen", "eval_seqlen", "eval_windows", "seed", "propagate",
+                                    "hparams")), ("overwrite", self.overwrite, Spec(bool)))
+
+
+def check_run(model: str, **settings) -> RunCheck:
     """Check every parameter of a run before any weight is read; raise with the fix, else say what will run.
+    ``settings`` are ``RunRequest``'s.
 
     Reads only the model's config (GGUF: its metadata): the architecture, the context length that ``seqlen``/
     ``eval_seqlen`` must fit, and (on the meta device, no memory) the sparsity plan and the method's architecture
@@ -103,63 +131,66 @@ def check_run(model: str, *, method: str | None = None, sparsity: float | None =
     or calibration size), ``none``. The disk under ``out_dir`` must hold the pruned checkpoint, and a ``resume_dir``
     must be new, empty, or hold this run's finished layers. Dead runs' spill folders under ``spill_dir`` go.
     """
-    check_values(("nsamples", nsamples, Spec(int, ge=1, optional=True)),
-                 ("seqlen", seqlen, Spec(int, ge=2, optional=True)),
-                 ("eval_seqlen", eval_seqlen, Spec(int, ge=2, optional=True)),
-                 ("eval_windows", eval_windows, Spec(int, ge=1, optional=True)),
-                 ("seed", seed, Spec(int, ge=0)), ("propagate", propagate, Spec(bool, optional=True)),
-                 ("overwrite", overwrite, Spec(bool)), ("hparams", hparams, Spec(dict, optional=True)))
-    auto, round_to = is_auto(round_to), None if is_auto(round_to) else round_to_value(round_to)  # q4_k_m: 256
-    check_offload(offload)
+    r = RunRequest(**settings)
+    auto, round_to = is_auto(r.round_to), None if is_auto(r.round_to) else round_to_value(r.round_to)  # q4_k_m: 256
+    check_offload(r.offload)
     bf16.policy()  # SPAP_BF16_PRODUCTS, read by every bf16 product of the run
-    algo = get_method(method, **(hparams or {})) if method is not None else None
-    if algo is not None and sparsity:
+    algo = get_method(r.method, **(r.hparams or {})) if r.method is not None else None
+    if algo is not None and r.sparsity:
         one_process(algo)  # before the model is read: a whole-model method under torchrun
-    pick_device(device)
-    spill_root = _existing(Path(spill_dir) if spill_dir else Path(tempfile.gettempdir()))
+    pick_device(r.device)
+    spill_root = _existing(Path(r.spill_dir) if r.spill_dir else Path(tempfile.gettempdir()))
     remove_dead_spills(spill_root)
-    if resume_dir is not None:
-        resume.check_folder(resume_dir)  # a file, a foreign folder or state.json: before reading the model
-        _apart(resume_dir, out_dir)
+    if r.resume_dir is not None:
+        resume.check_folder(r.resume_dir)  # a file, a foreign folder or state.json: before reading the model
+        _apart(r.resume_dir, r.out_dir)
     source = resolve(model)  # the config and, for a local folder, the weight files' headers
     out_state = None
-    if out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
-        out_state = check_out_dir(out_dir, overwrite=overwrite,
-                                     protect=protected(source, **{"the run folder": run_dir}))
-    if offload == "disk" and source.kind == "dir":
+    if r.out_dir is not None:  # an unusable name, a foreign folder, the source itself: before the plan
+        out_state = check_out_dir(r.out_dir, overwrite=r.overwrite,
+                                  protect=protected(source, **{"the run folder": r.run_dir}))
+    if r.offload == "disk" and source.kind == "dir":
         SafetensorsStore(source.path)  # refuses pickle (.bin) checkpoints, naming the offloads that still work
     config = read_config(source)
     if auto:
         round_to = resolve_round_to("auto", mlp_width(config), algo is None or algo.pipeline == "layers")
-    context, sparsity_plan = check_config(model, config, algo, sparsity, {"seqlen": seqlen, "eval_seqlen": eval_seqlen},
-                                          {"round_to": round_to, "propagate": propagate, "resume_dir": resume_dir})
-    check = RunCheck(source, config, context, algo, sparsity_plan, round_to=round_to, round_to_auto=auto)
-    if sparsity is not None:
-        layers = algo is None or algo.pipeline == "layers"  # else the method's own sparsity, no memory plan yet
-        if algo is not None and sparsity > 0:
-            offload = _allowed_offload(algo, offload)
-        if layers and resume_dir is not None and algo is not None:
-            resume.check_folder(resume_dir, _resume_key(source, method, algo, check.plan, device, seed=seed,
-                                                        round_to=round_to, propagate=propagate,
-                                                        calibration={"nsamples": nsamples, "seqlen": seqlen}))
-        if algo is not None and nsamples and seqlen and layers and sparsity > 0:
-            dev = pick_device(device)
-            row, memory_gb = local_device(dev)
-            check.memory_time = p = plan(
-                model, method=method, hparams=hparams, sparsity=sparsity, nsamples=nsamples, seqlen=seqlen,
-                eval_seqlen=eval_seqlen or seqlen, eval_windows=eval_windows, device=row, device_memory_gb=memory_gb,
-                round_to=round_to, host_memory_gb=available_host_gb() if dev.type != "cpu" else None, offload=offload,
-                disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=config)
-            if not p.fits:
-                raise _does_not_fit(p, dev, spill_root)
-            check.offload = p.offload
-            if out_dir is not None:
-                _check_space(out_dir, p.checkpoint_gb)
-    if offload != "auto":
-        check.offload = offload
-    check.out_state = out_state
-    check_available(calibration=bool(nsamples), evaluation=eval_seqlen is not None)  # last: the cheaper checks first
+    context, sparsity_plan = check_config(model, config, algo, r.sparsity,
+                                          {"seqlen": r.seqlen, "eval_seqlen": r.eval_seqlen},
+                                          {"round_to": round_to, "propagate": r.propagate, "resume_dir": r.resume_dir})
+    check = RunCheck(source, config, context, algo, sparsity_plan, round_to=round_to, round_to_auto=auto,
+                     offload=r.offload, out_state=out_state)
+    if r.sparsity is not None and algo is not None:
+        _check_plan(model, check, r, spill_root)
+    if check.offload == "auto":
+        check.offload = "none"
+    check_available(calibration=bool(r.nsamples), evaluation=r.eval_seqlen is not None)  # the cheaper checks first
     return check
+
+
+def _check_plan(model: str, check: RunCheck, r: RunRequest, spill_root: Path) -> None:
+    """A prune's offload, resume folder, memory, time and disk: the plan on this machine, refused with what to change
+    where it does not fit; ``check.offload`` becomes what the plan chose."""
+    algo, layers = check.method, check.method.pipeline == "layers"  # else the method's own sparsity, no plan yet
+    if r.sparsity > 0:
+        check.offload = _allowed_offload(algo, r.offload)
+    if layers and r.resume_dir is not None:
+        resume.check_folder(r.resume_dir, _resume_key(check.source, r.method, algo, check.plan, r.device, seed=r.seed,
+                                                      round_to=check.round_to, propagate=r.propagate,
+                                                      calibration={"nsamples": r.nsamples, "seqlen": r.seqlen}))
+    if not (r.nsamples and r.seqlen and layers and r.sparsity > 0):
+        return
+    dev = pick_device(r.device)
+    row, memory_gb = local_device(dev)
+    check.memory_time = p = plan(
+        model, method=r.method, hparams=r.hparams, sparsity=r.sparsity, nsamples=r.nsamples, seqlen=r.seqlen,
+        eval_seqlen=r.eval_seqlen or r.seqlen, eval_windows=r.eval_windows, device=row, device_memory_gb=memory_gb,
+        round_to=check.round_to, host_memory_gb=available_host_gb() if dev.type != "cpu" else None,
+        offload=check.offload, disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=check.config)
+    if not p.fits:
+        raise _does_not_fit(p, dev, spill_root)
+    check.offload = p.offload
+    if r.out_dir is not None:
+        _check_space(r.out_dir, p.checkpoint_gb)
 
 
 def _resume_key(source: ModelSource, method: str, algo: Method, plan: SparsityPlan, device: str, **settings) -> dict:
@@ -175,7 +206,7 @@ def _resume_key(source: ModelSource, method: str, algo: Method, plan: SparsityPl
     dev = pick_device(device)
     return {"model": source_key(source), "method": method, "hparams": algo.hparams(), "n_remove": plan.n_remove,
             "threads": threads(dev), "device": dev.type, "dtype": str(pick_dtype("auto", dev)),
-            "code": resume.code_hash(type(algo)), "world_size": world().size, **settings}
+            "code": resume.code_hash(algo), "world_size": world().size, **settings}
 
 
 def check_config(model: str, config, algo: Method | None, sparsity: float | None, windows: dict[str, int | None],
@@ -211,11 +242,10 @@ def check_config(model: str, config, algo: Method | None, sparsity: float | None
 
 
 def _check_dense(model: str, config) -> None:
-    """A pruned checkpoint is not pruned again: its widths or its sliced stream are spap's already."""
-    if getattr(config, "spap_mlp_widths", None):
-        raise ParameterError(f"{model} is already pruned with per-layer widths; prune a dense model")
-    if getattr(config, "spap_slicing", None):
-        raise ParameterError(f"{model} is a SliceGPT checkpoint (sliced residual stream); prune a dense model")
+    """A pruned checkpoint is not pruned again: a layout of spap's own (per-layer widths, a sliced stream) is one."""
+    fmt = format_of({k: v for k, v in config.to_dict().items() if v})
+    if fmt is not None:
+        raise ParameterError(f"{model} is already pruned: a {fmt.describe}; prune a dense model")
 
 
 def _allowed_offload(algo, offload: str) -> str:

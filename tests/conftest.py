@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if "SPAP_DATA_DIR" not in os.environ and SHARED_DATA.is_dir():
@@ -36,7 +38,7 @@ def offline_model(alias: str):
     installs it: an optional model (the Qwen one, ``make setup-qwen``) is absent on a machine set up by ``make
     setup`` alone, as CI's is."""
     from spap_lib.errors import ModelNotInstalled
-    from spap_lib.model.sources import resolve
+    from spap_lib.model.loading import resolve
 
     try:
         return resolve(alias)
@@ -69,6 +71,13 @@ def tiny_model(arch: str, seed: int = 0):
     return model
 
 
+def calibration(windows: torch.Tensor, tokens: int = 10_000):
+    """A test's windows as a calibration set: consecutive offsets into a validation text of ``tokens`` tokens."""
+    from spap_lib.evaluation.data import Calibration
+
+    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", tokens, 0)
+
+
 def prune_save_reload(loaded, method: str, hparams: dict, windows, tokenizer, tmp_path, *, tol: float = 1e-5):
     """Prune ``loaded`` at 30% on ``windows`` where it lives (CPU or GPU), then check what every method and
     composition promises: exactly the planned channels go, no layer is emptied, and the saved checkpoint reloads
@@ -78,12 +87,11 @@ def prune_save_reload(loaded, method: str, hparams: dict, windows, tokenizer, tm
     from transformers import AutoModelForCausalLM
 
     import spap_lib as sl
-    from spap_lib.evaluation.data import Calibration
 
     loaded.tokenizer, device = tokenizer, loaded.device
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     dense = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
-    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    calib = calibration(windows)
     report = sl.prune(loaded, calib, method, 0.3, hparams=hparams, progress=False)
     widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
     assert sum(d - w for d, w in zip(dense, widths)) == plan.n_remove * len(widths)  # exactly the planned channels
@@ -141,6 +149,15 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(autouse=True)
+def _torch_threads():
+    """Each test starts with torch's own thread count: a test that sets a job's or a profile's (one thread) would
+    otherwise run every later test of the session on one core, slower and with other CPU sums."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
 def _python_surface():
     """Each test starts with messages in Python's words (a notebook's parameter check switches them to
     papermill's for the rest of its kernel; in-process tests share one)."""
@@ -173,6 +190,12 @@ def tiny_checkpoint(tmp_path, tiny_tokenizer):
     return save
 
 
+@pytest.fixture
+def checkpoint(tiny_checkpoint):
+    """A tiny Llama checkpoint folder with its tokenizer (a test may build another with ``tiny_checkpoint``)."""
+    return tiny_checkpoint()
+
+
 @pytest.fixture(scope="session")
 def oldest() -> Path:
     """The oldest supported transformers (requirements-oldest.txt), installed once into build/compat/ (keyed by the
@@ -184,11 +207,14 @@ def oldest() -> Path:
     pins = Path(__file__).resolve().parents[1] / "requirements-oldest.txt"
     key = hashlib.sha256(pins.read_bytes()).hexdigest()[:12]
     target = pins.parent / "build" / "compat" / f"oldest-{key}"
-    if not (target / "transformers" / "__init__.py").is_file():
-        tmp = target.with_name(target.name + ".tmp")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                        "-r", str(pins)], check=True, timeout=600)
-        tmp.rename(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):  # another test worker may be installing it
+        if not (target / "transformers" / "__init__.py").is_file():
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)  # an install cut short
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
+                            "-r", str(pins)], check=True, timeout=600)
+            tmp.rename(target)
     return target
 
 
@@ -200,7 +226,8 @@ HALF = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 @pytest.fixture(scope="session")
 def hub_home(tmp_path_factory, byte_tokenizer) -> Path:
     """``HF_HOME`` with a hub cache of tiny models, one per architecture and half dtype (``tiny-org/<arch>-<dtype>``),
-    ``Qwen/Qwen2.5-0.5B`` (a tiny qwen2 under the id the alias names) and WikiText-2."""
+    ``Qwen/Qwen2.5-0.5B`` (a tiny qwen2 under the id the alias names) and WikiText-2, its test split cut to its
+    first rows: a whole-split perplexity of the paper's settings is a byte-level model's million tokens otherwise."""
     from hubcache import add_model, add_wikitext
 
     home = tmp_path_factory.mktemp("hf-home")
@@ -208,7 +235,7 @@ def hub_home(tmp_path_factory, byte_tokenizer) -> Path:
         for name, dtype in HALF.items():
             add_model(home / "hub", f"tiny-org/{arch}-{name}", tiny_model(arch), byte_tokenizer, dtype)
     add_model(home / "hub", "Qwen/Qwen2.5-0.5B", tiny_model("qwen2"), byte_tokenizer, torch.bfloat16)
-    add_wikitext(home / "hub", DATA)
+    add_wikitext(home / "hub", DATA, test_rows=2000)
     return home
 
 

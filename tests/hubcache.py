@@ -38,9 +38,9 @@ def add_model(cache: Path, repo_id: str, model, tokenizer, dtype: torch.dtype, m
         return add_repo(cache, repo_id, files)
 
 
-def add_wikitext(cache: Path, data_dir: Path, config: str = "wikitext-2-raw-v1") -> Path:
+def add_wikitext(cache: Path, data_dir: Path, config: str = "wikitext-2-raw-v1", test_rows: int | None = None) -> Path:
     """WikiText-2 raw as the hub's ``Salesforce/wikitext`` dataset repo holds it: one parquet file per split, a
-    ``text`` column of the split's rows."""
+    ``text`` column of the split's rows (``test_rows``: the test split's first rows only)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -52,6 +52,7 @@ def add_wikitext(cache: Path, data_dir: Path, config: str = "wikitext-2-raw-v1")
             if not (Path(data_dir) / config / name).is_file():
                 continue  # a data directory without the train split (calibration then reads validation)
             path = Path(tmp) / f"{split}.parquet"
-            pq.write_table(pa.table({"text": read_raw(Path(data_dir) / config / name)}), path)
+            rows = read_raw(Path(data_dir) / config / name)
+            pq.write_table(pa.table({"text": rows[:test_rows] if split == "test" else rows}), path)
             files[f"{config}/{split}-00000-of-00001.parquet"] = path
         return add_repo(cache, "Salesforce/wikitext", files, repo_type="dataset")

@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+from conftest import calibration
 
 FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 CASES = {  # label: (method, hyperparameters)
@@ -37,14 +38,13 @@ def snapshot(arch: str, method: str, hparams: dict) -> dict:
     from conftest import tiny_model
 
     import spap_lib as sl
-    from spap_lib.evaluation.data import Calibration
     from spap_lib.model.loading import Loaded
     from spap_lib.model.sources import ModelSource
 
     if method == "flap" and arch == "qwen2":
         hparams = {**hparams, "bias": False}  # no bias slot
     windows = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(1))
-    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    calib = calibration(windows)
     model = tiny_model(arch)
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))
     report = sl.prune(loaded, calib, method, 0.3, hparams=hparams, progress=False)

@@ -73,7 +73,7 @@ MEASURED = re.compile(r"(?<![\w.,-])\d+(?:\.\d+)?(?:[-–]\d+(?:\.\d+)?)?\s?"
 DEFINITIONS = {
     "spap_lib/api.py": [("20%", "result labels: the keys of the dict the function returns")],
     "spap_lib/methods/base.py": [("largest 1% of", "what LayerProblem.concentration is (top_share's fraction)")],
-    "spap_lib/methods/spap/algorithm.py": [("largest 1% of", "what the concentrated threshold compares with")],
+    "spap_lib/methods/parts/composition.py": [("largest 1% of", "what the concentrated threshold compares with")],
     "spap_lib/plan.py": [('"0.0 GB"', "how a tiny size would print without the MB rule")],
 }
 
@@ -344,17 +344,20 @@ def test_saved_notebook_defaults_are_the_papers_settings():
 
     nbs = Path(__file__).parents[1] / "notebooks"
 
-    def defaults(nb):
-        return {k: v["default"] for k, v in papermill.inspect_notebook(str(nbs / nb)).items()}
+    from spap_lib.settings import PAPER
+
+    def defaults(nb):  # as the notebook computes them: literals, or the paper's settings (``PAPER.nsamples``)
+        return {k: eval(v["default"], {"PAPER": PAPER})  # noqa: S307 - the notebooks' own parameter cells
+                for k, v in papermill.inspect_notebook(str(nbs / nb)).items()}
 
     for nb in ("01_calibrate.ipynb", "02_prune.ipynb", "03_ablate.ipynb"):
         d = defaults(nb)
-        assert (d["nsamples"], d["seqlen"]) == ("128", "2048"), nb
-    assert defaults("02_prune.ipynb")["hparams"] == "{}" and defaults("03_ablate.ipynb")["method_hparams"] == "{}"
+        assert (d["nsamples"], d["seqlen"]) == (128, 2048), nb  # Hu & Yuan, 2025: 128 windows of 2048 tokens
+    assert defaults("02_prune.ipynb")["hparams"] == {} and defaults("03_ablate.ipynb")["method_hparams"] == {}
     for nb in ("01_calibrate.ipynb", "02_prune.ipynb"):
-        assert (defaults(nb)["eval_seqlen"], defaults(nb)["eval_windows"]) == ("2048", "None"), nb
-    assert defaults("04_evaluate.ipynb")["limit"] == "None"
-    assert defaults("05_profile.ipynb")["new_tokens"] == "1024"
+        assert (defaults(nb)["eval_seqlen"], defaults(nb)["eval_windows"]) == (2048, None), nb
+    assert defaults("04_evaluate.ipynb")["limit"] is None
+    assert defaults("05_profile.ipynb")["new_tokens"] == 1024
     smoke = yaml.safe_load((Path(__file__).parents[1] / "configs" / "smoke.yaml").read_text())
     assert smoke["nsamples"] <= 8 and smoke["eval_windows"] <= 4 and smoke["limit"] <= 4 and smoke["new_tokens"] <= 8
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import calibration
 
 from spap_lib.checks import ParameterError
 from spap_lib.errors import surface
@@ -94,7 +95,6 @@ def test_the_api_and_02_take_auto_as_the_command_line_does(windows):
     from transformers import AutoModelForCausalLM
 
     import spap_lib as sl
-    from spap_lib.evaluation.data import Calibration
     from spap_lib.model.loading import Loaded
     from spap_lib.model.sources import ModelSource
 
@@ -103,6 +103,6 @@ def test_the_api_and_02_take_auto_as_the_command_line_does(windows):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("tiny", "dir", "-"), torch.device("cpu"))
-    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    calib = calibration(windows)
     report = sl.prune(loaded, calib, "magnitude", 0.2, round_to="auto", progress=False)
     assert report["sparsity"]["round_to"] == 32 and report["sparsity"]["mlp_width"]["pruned"] % 32 == 0

@@ -17,11 +17,6 @@ from spap_lib.plan import size
 
 
 @pytest.fixture
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint()
-
-
-@pytest.fixture
 def no_load(monkeypatch):
     """``sl.load`` that records a call and fails: a refusal must come before it."""
     calls = []
@@ -224,3 +219,18 @@ def test_calibration_reads_the_data_directorys_validation_split_without_asking_t
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("asked the hub"))
     assert calibration_text().split == "validation"
+
+
+def test_a_pruned_checkpoint_is_not_pruned_again_whatever_layout_it_is_saved_in():
+    """Any registered checkpoint format (per-layer widths, a sliced stream) is spap's already: refused by its own
+    description, before any weight is read, and no method is named by the check."""
+    from conftest import tiny_model
+
+    from spap_lib.validate import check_config
+
+    config = tiny_model("llama").config
+    assert check_config("m", config, None, 0.2, {})[1] is not None  # a dense model is planned
+    for marker, described in (("spap_mlp_widths", "per-layer MLP widths"), ("spap_slicing", "SliceGPT checkpoint")):
+        marked = type(config).from_dict({**config.to_dict(), marker: [1]})
+        with pytest.raises(ParameterError, match=f"already pruned: a .*{described}.*prune a dense model"):
+            check_config("m", marked, None, 0.2, {})

@@ -14,11 +14,6 @@ TINY = ["--nsamples", "4", "--seqlen", "24", "--eval-seqlen", "24", "--eval-wind
         "--hparams", '{"K": 3, "am_iters": 1, "adam_steps": 2}', "--device", "cpu"]
 
 
-@pytest.fixture
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint()
-
-
 def test_prune_writes_the_notebooks_checkpoint_and_eval_reads_it(checkpoint, tmp_path, capsys):
     out = tmp_path / "pruned"
     (checkpoint / "README.md").write_text("---\nlicense: mit\n---\nA tiny model.\n")  # its license is carried over

@@ -56,7 +56,8 @@ def _layers(out: Path) -> list[dict]:
     return json.loads((out / "spap_manifest.json").read_text())["layers"]
 
 
-@pytest.mark.parametrize("method", ["fasp", "cfsp", "spap"])
+# a score method's dense pass (cfsp), and a composition's Gram sums, refit and rounds (spap; fasp is its subset)
+@pytest.mark.parametrize("method", ["cfsp", "spap"])
 def test_two_ranks_match_one_process(checkpoint, tmp_path, method):
     _one(checkpoint, tmp_path / "one", "--method", method)
     run = _ranks(checkpoint, tmp_path / "two", "--method", method, "--resume-dir", str(tmp_path / "resume"))

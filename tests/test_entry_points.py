@@ -50,11 +50,6 @@ def refused(result: subprocess.CompletedProcess, *words: str) -> str:
     return result.stderr
 
 
-@pytest.fixture
-def checkpoint(tiny_checkpoint):
-    return tiny_checkpoint()
-
-
 def _edit_weights(path: Path, edit) -> None:
     from safetensors.torch import load_file, save_file
 

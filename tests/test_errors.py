@@ -59,6 +59,12 @@ def test_too_few_calibration_tokens(tiny_tokenizer):
     assert torch.equal(calib.windows, sl.calibration_windows(tiny_tokenizer, 4, 100, seed=7, text=text).windows)
 
 
+def test_without_spap_data_dir_the_data_directory_is_the_checkouts_data_folder(monkeypatch):
+    """data/README.md: ``$SPAP_DATA_DIR`` if set, else the checkout's data/ (where that README is)."""
+    monkeypatch.delenv("SPAP_DATA_DIR", raising=False)
+    assert (sl.data_dir() / "README.md").is_file() and sl.data_dir() == sl.REPO / "data"
+
+
 def test_missing_data_directory_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("SPAP_DATA_DIR", str(tmp_path / "nowhere"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -108,7 +114,7 @@ def test_missing_task_data_names_the_directory(tmp_path):
 def test_checkpoint_that_is_not_a_causal_lm_or_lacks_a_tokenizer(tmp_path, tiny_tokenizer):
     import json
 
-    from spap_lib.model.sources import resolve
+    from spap_lib.model.loading import resolve
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
     with pytest.raises(ValueError, match="BertForMaskedLM, not a causal language model"):

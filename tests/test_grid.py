@@ -2,6 +2,7 @@
 import pandas as pd
 import pytest
 import torch
+from conftest import calibration
 
 import spap_lib as sl
 import spap_lib.artifact.grid as grid_mod
@@ -9,7 +10,6 @@ from spap_lib.artifact.figure2 import figure2
 from spap_lib.artifact.figures import headline, layer_plot, table5
 from spap_lib.artifact.grid import Eval, Grid, Variant, record_run, run_grid
 from spap_lib.errors import ParameterError
-from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.base import parse_label
 from spap_lib.model.loading import Loaded
 from spap_lib.model.sources import ModelSource
@@ -23,7 +23,7 @@ def _grid(arch, tokenizer, windows):
 
     model = tiny_model(arch)
     loaded = Loaded(model, tokenizer, get_adapter(model), ModelSource(f"tiny-{arch}", "dir", "-"), torch.device("cpu"))
-    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    calib = calibration(windows)
     return Grid(f"tiny-{arch}", loaded, calib, RunSettings(progress=False))
 
 

@@ -4,10 +4,11 @@ import torch
 
 import spap_lib as sl
 from spap_lib.methods.spap import alternating
-from spap_lib.methods.spap.alternating import Rounds, adam, alternating_update, subsample
+from spap_lib.methods.spap.alternating import Rounds, adam, alternating_update
 from spap_lib.methods.spap.penalty import Penalty, penalty_method
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics import linalg, solve
+from spap_lib.numerics.collective import subsample
 from spap_lib.numerics.linalg import NumericalError, gram
 from spap_lib.numerics.solve import lstsq_columns, nested_lstsq_errors, reconstruction_error, ridge
 
@@ -199,7 +200,7 @@ def test_cheap_rounds_refit_on_every_token_and_report_the_real_error(monkeypatch
     H, YZ = gram(pruned, X, 700, Y)
     passes = []
     real_gram = alternating.gram
-    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("in_bf16"))) or
                         real_gram(m, X_, *a, **k))
     out, errors = alternating_update(pruned, X, Y, _rounds(sketch_tokens=1000, bf16=True), **_start(pruned, Y, H, YZ))
     assert passes == [(1000, True)] * 4 + [(3000, False)]
@@ -240,14 +241,14 @@ def test_reconstruction_error_in_float64_blocks_is_the_direct_error(monkeypatch,
 
 def test_the_final_refit_in_bf16_takes_bf16_products_and_reports_its_real_error(monkeypatch):
     """``refit_precision="bf16"``: the best round's refit on every token takes the rounds' bf16 products (one
-    pass, ``low``), its output projection is the least-squares fit on those statistics, close to the full
+    pass, ``in_bf16``), its output projection is the least-squares fit on those statistics, close to the full
     refit's, and the error reported is the returned MLP's on every token. The option acts only where there is
     such a refit."""
     import spap_lib as sl
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
     passes, real_gram = [], alternating.gram
-    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("low"))) or
+    monkeypatch.setattr(alternating, "gram", lambda m, X_, *a, **k: passes.append((len(X_), k.get("in_bf16"))) or
                         real_gram(m, X_, *a, **k))
     run = dict(sketch_tokens=1000, bf16=True)
     full, full_errors = alternating_update(pruned.clone("cpu"), X, Y, _rounds(**run), **_start(pruned, Y, H, YZ))
@@ -290,7 +291,7 @@ def test_low_precision_gram_stays_positive_definite_and_close():
     """bf16 products for Z and Y Zᵀ; Z Zᵀ in float32 of the rounded Z, so a damped Cholesky never fails."""
     pruned, X, Y = _update_problem()
     H, YZ = gram(pruned, X, 700, Y)
-    Hl, YZl = gram(pruned, X, 700, Y, low=True)
+    Hl, YZl = gram(pruned, X, 700, Y, in_bf16=True)
     torch.testing.assert_close(Hl, Hl.T)
     assert float(torch.linalg.eigvalsh(Hl).min()) > -1e-9 * float(Hl.diagonal().max())
     assert float((Hl - H).norm() / H.norm()) < 1e-2 and float((YZl - YZ).norm() / YZ.norm()) < 1e-2

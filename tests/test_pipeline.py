@@ -2,11 +2,11 @@
 import json
 
 import torch
+from conftest import calibration
 from transformers import AutoModelForCausalLM
 
 import spap_lib as sl
 from spap_lib.artifact.manifest import MANIFEST
-from spap_lib.evaluation.data import Calibration
 from spap_lib.methods import LayerProblem
 from spap_lib.model.capture import Batching, first_layer_inputs, replay
 from spap_lib.numerics import bf16
@@ -15,8 +15,6 @@ from spap_lib.pipeline.sequential import RunSettings
 FAST = {"K": 10, "am_iters": 2, "adam_steps": 3, "batch_tokens": 32}
 
 
-def _calib(windows):
-    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
 
 
 def test_replay_reproduces_the_model(loaded, windows):
@@ -95,7 +93,7 @@ def test_exact_parameter_counts(loaded, arch):
 
 def test_prune_save_and_stock_reload(loaded, windows, byte_tokenizer, tmp_path):
     loaded.tokenizer = byte_tokenizer
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=FAST, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams=FAST, progress=False)
     width = report["sparsity"]["mlp_width"]["pruned"]
     assert width < 64 and all(loaded.adapter.width(layer) == width for layer in loaded.adapter.layers())
     out = sl.save(loaded, report, tmp_path / "pruned")
@@ -114,7 +112,7 @@ def test_prune_save_and_stock_reload(loaded, windows, byte_tokenizer, tmp_path):
 
 
 def test_no_hooks_left_behind(loaded, windows):
-    sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
+    sl.prune(loaded, calibration(windows), "spap", 0.2, hparams=FAST, progress=False)
     for m in loaded.model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks and "forward" not in m.__dict__
 
@@ -122,7 +120,7 @@ def test_no_hooks_left_behind(loaded, windows):
 def test_calibration_cache_round_trip(windows, tmp_path):
     from spap_lib.artifact.caches import load_calibration, save_calibration
 
-    calib = _calib(windows)
+    calib = calibration(windows)
     key = {"model": "sha256:1", "data": "d", "nsamples": 4, "seqlen": 24, "seed": 0, "code": "c"}
     save_calibration(tmp_path / "calibration.pt", calib, key)
     back = load_calibration(tmp_path / "calibration.pt", key)
@@ -137,7 +135,7 @@ def test_without_propagation_layers_see_dense_activations(loaded, windows):
     dense_model = AutoModelForCausalLM.from_config(loaded.model.config).eval()
     dense_model.load_state_dict(loaded.model.state_dict())
     hp = {**FAST, "am_iters": 0}
-    report = sl.prune(loaded, _calib(windows), "spap", 0.3, hparams=hp, propagate=False, progress=False)
+    report = sl.prune(loaded, calibration(windows), "spap", 0.3, hparams=hp, propagate=False, progress=False)
     ad = sl.get_adapter(dense_model)
     last = len(ad.layers()) - 1
     with torch.no_grad():
@@ -155,7 +153,7 @@ def test_pruning_a_copy_leaves_the_loaded_model_alone(loaded, windows):
     with torch.no_grad():
         before = loaded.model(windows).logits
     copied = loaded.copy()
-    sl.prune(copied, _calib(windows), "magnitude", 0.3, progress=False)
+    sl.prune(copied, calibration(windows), "magnitude", 0.3, progress=False)
     assert copied.adapter.width(copied.adapter.layers()[0]) < loaded.adapter.width(loaded.adapter.layers()[0])
     assert copied.tokenizer is loaded.tokenizer and copied.source is loaded.source
     with torch.no_grad():
@@ -189,7 +187,7 @@ def test_layer0_inputs_are_freed_once_layer0_is_done(loaded, windows, monkeypatc
     monkeypatch.setattr(pipeline, "first_layer_inputs", capture)
     monkeypatch.setattr(method, "prune", prune)
     plan = sl.plan_sparsity(loaded.adapter, 0.2)
-    sl.prune_model(loaded.model, loaded.adapter, windows, method, plan, device="cpu", run=RunSettings(progress=False))
+    sl.prune_model(loaded.adapter, windows, method, plan, run=RunSettings(progress=False))
     assert alive_at == {0: True, 1: False, 2: False}
 
 

@@ -9,7 +9,7 @@ import torch
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
-from spap_lib.methods.cost_model import Shapes
+from spap_lib.methods.cost_model import PRICES, Shapes, priced, pricing
 from spap_lib.plan import GB, plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,6 +28,11 @@ def test_every_paper_alias_plans_offline(alias, monkeypatch):
     assert p.memory_gb["weights"] * GB / 2 / 1e9 == pytest.approx(PUBLISHED[alias], rel=2e-3)
     assert p.peak_device_gb > p.memory_gb["weights"] and p.total_seconds > 0
     assert alias in sl.known_models()
+
+
+def _cost(method, s: Shapes) -> dict:
+    """The work of one layer's prune as the plan prices it."""
+    return pricing(method).cost(method, s)
 
 
 def test_memory_terms_follow_their_formulas():
@@ -79,17 +84,18 @@ def test_the_updates_token_samples_are_counted_where_x_and_y_are():
     # streamed, the samples are host memory: the same run with one round sample fewer needs that much less there
     host_lean = plan("llama-3.1-8b", offload="cpu", hparams={"sketch_resample": False}, **kw)
     assert streamed.peak_host_gb - host_lean.peak_host_gb == pytest.approx(16384 * row / GB)
-    s = Shapes(N=128 * 2048, d=d, n=14336, n_keep=11000, in_proj=2, chunk=2048, p=4, b=2, vocab=1, tied=False,
-               streamed=True)
-    assert sl.get_method("spap").host_set(s)[host_key] == 2 * 16384 * row
+    s = Shapes(N=128 * 2048, d=d, n=14336, n_keep=11000, in_proj=2, chunk=2048, solve_bytes=4, weight_bytes=2, vocab=1,
+               tied=False, streamed=True)
+    assert pricing(sl.get_method("spap")).host_set(sl.get_method("spap"), s)[host_key] == 2 * 16384 * row
 
 
 def test_the_error_curves_price_a_forward_of_their_own_only_when_they_read_a_sample():
     """Reading every token of the allocation's pass, the curves' Gram pass takes the channel statistics, whose stage
     prices that forward (``SPAP.error_curve``); reading a sample of the tokens, they need a forward of their own."""
-    s = Shapes(N=16384, d=576, n=1536, n_keep=1228, in_proj=2, chunk=8192, p=4, b=4, vocab=1, tied=False)
+    s = Shapes(N=16384, d=576, n=1536, n_keep=1228, in_proj=2, chunk=8192, solve_bytes=4, weight_bytes=4, vocab=1,
+               tied=False)
     forward = 2 * s.in_proj * s.d * s.n  # per token
-    every, sample = (sl.get_method("spap", allocation="error", error_tokens=t).cost(s) for t in (s.N, s.N // 2))
+    every, sample = (_cost(sl.get_method("spap", allocation="error", error_tokens=t), s) for t in (s.N, s.N // 2))
     assert every["dense channel statistics"]["fp32"] == sample["dense channel statistics"]["fp32"] == forward * s.N
     assert every["error curves"]["fp32"] == 2 * s.N * s.n * s.n  # the Gram product alone
     assert sample["error curves"]["fp32"] == forward * s.N // 2 + 2 * (s.N // 2) * s.n * s.n
@@ -250,18 +256,16 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     class Costed(Method):
         name = "costed_for_test"
 
-        def cost(self, s: Shapes):
-            seen["shapes"] = s
-            return {"declared stage": {"fp32": 1e12, "solve": 2e12, "steps": 500}}
-
-        def working_set(self, s: Shapes):
-            return {"declared buffer": 3 * 2**30}
+    def cost(m, s: Shapes):
+        seen["shapes"] = s
+        return {"declared stage": {"fp32": 1e12, "solve": 2e12, "steps": 500}}
 
     METHODS[Costed.name] = Costed
+    priced(Costed, cost=cost, working_set=lambda m, s: {"declared buffer": 3 * 2**30})
     try:
         p = plan("llama-3.1-8b", method=Costed.name, device="h100", nsamples=64, seqlen=2048, offload="none")
     finally:
-        del METHODS[Costed.name]
+        del METHODS[Costed.name], PRICES[Costed]
     row = THROUGHPUT["h100"]
     rates, achieved = row["flops_per_second"], row["achieved"]
     layers = 32
@@ -274,13 +278,13 @@ def test_each_method_declares_its_own_cost_and_the_plan_names_none():
     assert p.method_stages == ("declared stage",) and p.layers == layers
     assert p.memory_gb["declared buffer"] == pytest.approx(3.0)
     s = seen["shapes"]
-    assert (s.N, s.d, s.n, s.in_proj, s.p) == (64 * 2048, 4096, 14336, 2, 8) and s.n_keep < s.n
+    assert (s.N, s.d, s.n, s.in_proj, s.solve_bytes) == (64 * 2048, 4096, 14336, 2, 8) and s.n_keep < s.n
     # SPAP's own stages: K + 1 penalty solves, the rounds only with am_iters > 0
     spap = sl.get_method("spap")
-    stages = spap.cost(s)
+    stages = _cost(spap, s)
     assert stages["penalty / refit solves"]["solve"] == pytest.approx((spap.K + 1) * ((s.n + 1) ** 3 / 3
                                                                                        + 2 * (s.n + 1) ** 2 * s.d))
-    assert "Adam steps" in stages and "Adam steps" not in sl.get_method("spap_no_update").cost(s)
+    assert "Adam steps" in stages and "Adam steps" not in _cost(sl.get_method("spap_no_update"), s)
 
 
 def test_a_cpu_without_bf16_units_is_planned_at_its_float32_rate(monkeypatch):
@@ -365,9 +369,9 @@ def test_a_composition_label_runs_through_the_run_check_and_the_plan(monkeypatch
     with pytest.raises(ParameterError, match="sets update otherwise"):
         sl.check_run("smollm2-135m", method="spap/update=gd", hparams={"update": "ls"}, sparsity=0.2)
     # a preset carries only the settings its parts read: FASP has no rounds to run, no penalty method to select
-    with pytest.raises(ParameterError, match="'fasp' does not carry the update's round settings.*or use spap"):
+    with pytest.raises(ParameterError, match="'fasp' does not carry the settings of the update.*or use spap"):
         sl.check_run("smollm2-135m", method="fasp/update=gd", sparsity=0.2)
-    with pytest.raises(ParameterError, match="'fasp' does not carry the penalty method's settings"):
+    with pytest.raises(ParameterError, match="'fasp' does not carry the settings of the selection 'penalty'"):
         sl.get_method("fasp", select="penalty")
     with pytest.raises(ParameterError, match="K"):
         sl.get_method("fasp", K=5)

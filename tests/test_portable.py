@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _configs, char_tokenizer
+from conftest import _configs, calibration, char_tokenizer
 
 import spap_lib as sl
 from spap_lib.artifact.portable import legacy_rope
 from spap_lib.errors import CheckpointError
-from spap_lib.evaluation.data import Calibration
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = "The 1990s game , Valkyria Chronicles III , was released in 2011 .\n = = Plot = = \n"
@@ -61,7 +60,7 @@ def _saved(arch: str, tmp_path: Path) -> Path:
     char_tokenizer().save_pretrained(dense)
     loaded = sl.load(str(dense), device="cpu")
     windows = torch.randint(1, 97, (4, 16), generator=torch.Generator().manual_seed(1))
-    calib = Calibration(windows, torch.arange(4), "validation", "test-fixture", 64, 0)
+    calib = calibration(windows, 64)
     report = sl.prune(loaded, calib, "fasp", 0.25, progress=False)
     return sl.save(loaded, report, tmp_path / arch)
 

@@ -121,8 +121,7 @@ def test_kept_channels_reapplied_to_dense_weights_give_the_pruned_model(arch, wi
     pruned = copy.deepcopy(dense)
     adapter = sl.get_adapter(pruned)
     plan = sl.plan_sparsity(adapter, 0.3)
-    run = sl.prune_model(pruned, adapter, windows, sl.get_method(method), plan, device="cpu",
-                         run=RunSettings(progress=False))
+    run = sl.prune_model(adapter, windows, sl.get_method(method), plan, run=RunSettings(progress=False))
     sl.get_adapter(dense).keep_channels(run["kept_channels"])
     assert [sl.get_adapter(dense).width(layer) for layer in sl.get_adapter(dense).layers()] == \
         [len(k) for k in run["kept_channels"]]

@@ -112,7 +112,7 @@ def _digests(folder: str, tag: str) -> None:
 
 
 def test_the_concurrency_sweep_loses_nothing_and_misattributes_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("SPAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPAP_CACHE_DIR", str(tmp_path / "cache"))
     cases, lost, wrong = 0, 0, 0
 
     # a checkpoint's manifest and card: two evaluations recorded at once, then beside a reader

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import calibration
 
 import spap_lib as sl
 from spap_lib import files as io
 from spap_lib.checks import ParameterError
 from spap_lib.errors import CheckpointError, OutputError
-from spap_lib.evaluation.data import Calibration
 from spap_lib.model.loading import Loaded
 from spap_lib.model.sources import ModelSource
 from spap_lib.numerics.linalg import NumericalError
@@ -28,8 +28,6 @@ from spap_lib.numerics.linalg import NumericalError
 FAST = {"K": 3, "am_iters": 1, "adam_steps": 2, "batch_tokens": 32}
 
 
-def _calib(windows):
-    return Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
 
 
 def _loaded(arch="llama", tokenizer=None, **config):
@@ -52,7 +50,7 @@ def _files(path: Path) -> dict | None:
 def checkpoint(tmp_path, tiny_tokenizer, windows):
     """A saved spap checkpoint of a tiny Llama (the 'source model' of the out_dir tests)."""
     loaded = _loaded(tokenizer=tiny_tokenizer)
-    report = sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
+    report = sl.prune(loaded, calibration(windows), "magnitude", 0.2, progress=False)
     return sl.save(loaded, report, tmp_path / "model")
 
 
@@ -80,7 +78,7 @@ def test_previous_checkpoint_needs_overwrite_and_only_holds_our_files(checkpoint
     out.mkdir()
     assert sl.check_run(str(checkpoint), out_dir=out).out_state == "empty"
     loaded = _loaded(tokenizer=tiny_tokenizer)
-    report = sl.prune(loaded, _calib(windows), "magnitude", 0.3, progress=False)
+    report = sl.prune(loaded, calibration(windows), "magnitude", 0.3, progress=False)
     sl.save(loaded, report, out)
     first = _files(out)
     with pytest.raises(OutputError, match="previous spap checkpoint .*overwrite=True"):
@@ -125,7 +123,7 @@ def test_unwritable_out_dir_is_refused_before_any_work(tmp_path):
 
 def test_outputs_get_the_users_normal_permissions(tmp_path, tiny_tokenizer, windows):
     loaded = _loaded(tokenizer=tiny_tokenizer)
-    report = sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
+    report = sl.prune(loaded, calibration(windows), "magnitude", 0.2, progress=False)
     old = os.umask(0o027)
     try:
         out = sl.save(loaded, report, tmp_path / "ckpt")
@@ -141,7 +139,7 @@ def test_outputs_get_the_users_normal_permissions(tmp_path, tiny_tokenizer, wind
 
 def test_a_nan_model_never_replaces_a_good_checkpoint(tmp_path, tiny_tokenizer, windows):
     loaded = _loaded(tokenizer=tiny_tokenizer)
-    report = sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
+    report = sl.prune(loaded, calibration(windows), "magnitude", 0.2, progress=False)
     out = sl.save(loaded, report, tmp_path / "ckpt")
     good = _files(out)
     with torch.no_grad():
@@ -154,7 +152,7 @@ def test_a_nan_model_never_replaces_a_good_checkpoint(tmp_path, tiny_tokenizer, 
 
 def test_a_checkpoint_that_reloads_differently_is_not_installed(tmp_path, tiny_tokenizer, windows, monkeypatch):
     loaded = _loaded(tokenizer=tiny_tokenizer)
-    report = sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
+    report = sl.prune(loaded, calibration(windows), "magnitude", 0.2, progress=False)
     real = loaded.model.save_pretrained
 
     def corrupting(path, **kw):  # writes a weight that differs from the in-memory model
@@ -192,7 +190,7 @@ def test_calibration_beyond_the_context_is_refused_before_work(monkeypatch):
         windows = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
         monkeypatch.setattr(pipeline, "first_layer_inputs", lambda *a, **k: pytest.fail("work started"))
         with pytest.raises(ParameterError, match="seqlen=24 is longer than the model's context of 16"):
-            sl.prune(loaded, _calib(windows), "magnitude", 0.2, progress=False)
+            sl.prune(loaded, calibration(windows), "magnitude", 0.2, progress=False)
 
 
 @pytest.mark.parametrize("method, hparams, message", [
@@ -277,7 +275,7 @@ def test_nan_weights_are_named_before_any_work(monkeypatch, windows):
         loaded.model.model.layers[2].mlp.up_proj.weight[3, 1] = float("inf")
     monkeypatch.setattr(pipeline, "first_layer_inputs", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(NumericalError, match=r"model\.layers\.2\.mlp\.up_proj\.weight: 0 NaN, 1 Inf"):
-        sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
+        sl.prune(loaded, calibration(windows), "spap", 0.2, hparams=FAST, progress=False)
 
 
 def test_nonfinite_activations_name_the_layer(windows):
@@ -285,7 +283,7 @@ def test_nonfinite_activations_name_the_layer(windows):
     with torch.no_grad():  # huge, finite weights: the activations of layer 1 overflow float32
         loaded.model.model.layers[1].post_attention_layernorm.weight.fill_(3e38)
     with pytest.raises(NumericalError, match="layer 1: the MLP inputs contain .* NaN and .* Inf"):
-        sl.prune(loaded, _calib(windows), "spap", 0.2, hparams=FAST, progress=False)
+        sl.prune(loaded, calibration(windows), "spap", 0.2, hparams=FAST, progress=False)
 
 
 @pytest.mark.parametrize("method", ["spap", "fasp", "spap_gd", "spap_no_update", "wanda_sp"])
@@ -294,7 +292,7 @@ def test_an_all_zero_mlp_keeps_its_dense_weights(method, windows, tiny_tokenizer
     with torch.no_grad():
         loaded.model.model.layers[1].mlp.up_proj.weight.zero_()  # every channel outputs zero
     hp = {"K": FAST["K"]} if method == "spap_no_update" else (FAST if method.startswith("spap") else {})
-    report = sl.prune(loaded, _calib(windows), method, 0.3, hparams=hp, progress=False)
+    report = sl.prune(loaded, calibration(windows), method, 0.3, hparams=hp, progress=False)
     if method != "wanda_sp":  # score methods fit nothing; the fitting ones must not divide by zero
         assert report["layers"][1].get("nothing_to_fit") is True
         assert "nothing_to_fit" not in report["layers"][0]

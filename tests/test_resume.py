@@ -3,17 +3,15 @@ import json
 
 import pytest
 import torch
+from conftest import calibration
 
 import spap_lib as sl
 from spap_lib.checks import ParameterError
-from spap_lib.evaluation.data import Calibration
 from spap_lib.methods.spap.algorithm import SPAP
 
 HP = {"K": 3, "am_iters": 2, "adam_steps": 2, "batch_tokens": 32}
 
 
-def _calib(windows):
-    return Calibration(windows, torch.arange(len(windows)), "validation", "fixture", 10_000, 0)
 
 
 def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(windows, tmp_path, monkeypatch):
@@ -28,7 +26,7 @@ def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(wi
         return Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
 
     reference = loaded()
-    sl.prune(reference, _calib(windows), "spap", 0.3, hparams=HP, progress=False)
+    sl.prune(reference, calibration(windows), "spap", 0.3, hparams=HP, progress=False)
 
     calls = []
     real = SPAP.prune
@@ -42,14 +40,14 @@ def test_an_interrupted_prune_resumes_at_the_next_layer_with_the_same_weights(wi
     run = loaded()
     monkeypatch.setattr(SPAP, "prune", dies_at_layer_2)
     with pytest.raises(KeyboardInterrupt):
-        sl.prune(run, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+        sl.prune(run, calibration(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["hidden_002.bin", "layer_000.safetensors",
                                                                  "layer_001.safetensors", "state.json"]
     monkeypatch.setattr(SPAP, "prune", lambda self, problem: calls.append(problem.layer_index) or real(self, problem))
     again = loaded()  # a new process: fresh dense weights
-    report = sl.prune(again, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+    report = sl.prune(again, calibration(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
     assert calls == [0, 1, 2, 2] and report["resumed_at_layer"] == 2
-    assert report["kept_channels"] == sl.prune(loaded(), _calib(windows), "spap", 0.3, hparams=HP,
+    assert report["kept_channels"] == sl.prune(loaded(), calibration(windows), "spap", 0.3, hparams=HP,
                                                progress=False)["kept_channels"]
     for a, b in zip(again.model.state_dict().values(), reference.model.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -69,12 +67,12 @@ def test_another_runs_folder_is_refused(windows, tmp_path, monkeypatch):
     monkeypatch.setattr(SPAP, "prune", lambda self, problem: (_ for _ in ()).throw(KeyboardInterrupt)
                         if problem.layer_index == 1 else real(self, problem))
     with pytest.raises(KeyboardInterrupt):
-        sl.prune(run, _calib(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+        sl.prune(run, calibration(windows), "spap", 0.3, hparams=HP, progress=False, resume_dir=tmp_path / "r")
     m = tiny_model("llama")
     fresh = Loaded(m, None, get_adapter(m), ModelSource("tiny-llama", "dir", "-"), torch.device("cpu"))
     another = r"holds the layers of another run \(differs in n_remove \(n_remove: \d+ there, \d+ now\)\)"
     with pytest.raises(ParameterError, match=another):
-        sl.prune(fresh, _calib(windows), "spap", 0.2, hparams=HP, progress=False, resume_dir=tmp_path / "r")
+        sl.prune(fresh, calibration(windows), "spap", 0.2, hparams=HP, progress=False, resume_dir=tmp_path / "r")
 
 
 def test_layers_pruned_by_other_code_are_refused_as_such(tmp_path):
@@ -142,16 +140,22 @@ def test_a_users_folder_is_never_used_or_cleared(tmp_path, windows):
 
 
 def test_a_presets_saved_layers_are_tied_to_the_code_of_its_parts():
-    """A preset's algorithm lives in its parent class and in the parts: an edit there must invalidate its
-    saved layers too, not only an edit of the preset's own (near empty) module."""
+    """A preset's algorithm lives in its parent class and in the parts it composes: an edit there must invalidate
+    its saved layers too, not only an edit of the preset's own (near empty) module; an edit of a part it does not
+    compose does not."""
     import spap_lib as sl
+    from spap_lib.methods.parts import composition
     from spap_lib.methods.parts import selection as parts
     from spap_lib.methods.spap import algorithm as spap
     from spap_lib.methods.spap import alternating, penalty
     from spap_lib.pipeline.resume import code_modules
 
-    for name in ("fasp", "spap_no_update", "spap_gd", "spap"):
-        modules = code_modules(sl.METHODS[name])
-        assert {spap, parts, penalty, alternating} <= set(modules), name
-    assert not {spap, penalty, alternating} & set(code_modules(sl.METHODS["cfsp"]))
-    assert parts in code_modules(sl.METHODS["cfsp"])  # its scores
+    for name in ("spap_no_update", "spap_gd", "spap"):
+        modules = set(code_modules(sl.get_method(name)))
+        assert {spap, composition, parts, penalty, alternating} <= modules, name
+    fasp = set(code_modules(sl.get_method("fasp")))
+    assert {composition, parts} <= fasp and not {spap, penalty, alternating} & fasp  # wanda's score, a refit
+    assert alternating in code_modules(sl.get_method("spap", select="wanda"))  # the rounds it composes
+    assert sl.get_method("flap").parts()["update"] == "bias" and code_modules(sl.get_method("flap"))  # its own part
+    cfsp = set(code_modules(sl.get_method("cfsp")))
+    assert not {spap, penalty, alternating, composition} & cfsp and parts in cfsp  # its scores

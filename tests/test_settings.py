@@ -1,57 +1,89 @@
-"""A prune's settings have one home, ``spap_lib.settings.PruneSettings``: notebook 02's parameter cell (literals, for
-papermill) and ``spap prune``'s options hold its defaults, and both run ``spap_lib.run.PruneRun``'s steps."""
+"""A run's settings have one home, ``spap_lib.settings.RunConfig``: the notebooks' parameter cells, ``spap prune``'s
+and ``spap plan``'s options, the plan's defaults and ``configs/paper.yaml`` read it, so that changing a default is
+one line."""
 from __future__ import annotations
 
 import ast
 import dataclasses
 import json
 
+import pytest
+import yaml
+
 from spap_lib import REPO
+from spap_lib.checks import ParameterError
 from spap_lib.cli import parser
-from spap_lib.settings import PruneSettings
+from spap_lib.settings import PAPER, RunConfig
 
+FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 # The command line keeps kept widths that llama.cpp's blocks divide by default (docs/llamacpp.md); 02 keeps the
-# paper's own widths. The other settings, and the options' names, are the same.
+# paper's own widths.
 CLI_ONLY = {"round_to": "auto"}
-NOT_ON_THE_COMMAND_LINE = {"propagate"}  # each method's own setting there
 
 
-def _notebook_defaults(name: str = "02_prune") -> dict:
+def _parameters(name: str) -> list[ast.AnnAssign]:
     cell = next(c for c in json.loads((REPO / f"notebooks/{name}.ipynb").read_text())["cells"]
                 if "parameters" in c.get("metadata", {}).get("tags", []))
-    tree = ast.parse("".join(cell["source"]))
-    return {n.target.id: ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.AnnAssign)}
+    return [n for n in ast.parse("".join(cell["source"])).body if isinstance(n, ast.AnnAssign)]
 
 
-def _defaults() -> dict:
-    return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            for f in dataclasses.fields(PruneSettings) if f.name != "model"}
+def _reads_paper(node: ast.AnnAssign) -> bool:
+    """``name: T = PAPER.name`` (a mapping: ``dict(PAPER.name)``, a copy)."""
+    value = node.value.args[0] if isinstance(node.value, ast.Call) and node.value.func.id == "dict" else node.value
+    return ast.unparse(value) == f"PAPER.{node.target.id}"
 
 
-def test_the_notebooks_defaults_are_the_settings_defaults():
-    notebook = _notebook_defaults()
-    for name, value in _defaults().items():
-        if name != "evaluate":  # 02 always measures both models
-            assert notebook[name] == value, name
+@pytest.mark.parametrize("name", ["01_calibrate", "02_prune", "03_ablate"])
+def test_every_run_setting_a_notebook_declares_reads_its_default_from_the_config(name):
+    shared = [n for n in _parameters(name) if n.target.id in FIELDS]
+    assert shared, f"{name} declares no run setting"
+    literal = [n.target.id for n in shared if not _reads_paper(n)]
+    assert not literal, f"{name}: {literal} restate a default of spap_lib/settings.py; write name: T = PAPER.name"
 
 
-def test_the_other_notebooks_and_the_plan_share_the_calibration_and_evaluation_defaults():
-    import inspect
-
-    from spap_lib.plan import plan
-
-    shared = {k: v for k, v in _defaults().items() if k in ("nsamples", "seqlen", "eval_seqlen", "seed")}
-    for name in ("01_calibrate", "03_ablate"):
-        notebook = _notebook_defaults(name)
-        assert {k: notebook[k] for k in shared if k in notebook} == {k: v for k, v in shared.items() if k in notebook}
-    defaults = inspect.signature(plan).parameters
-    assert all(defaults[k].default == shared[k] for k in ("nsamples", "seqlen", "eval_seqlen"))
+def test_02_takes_every_setting_of_a_prune():
+    declared = {n.target.id for n in _parameters("02_prune")}
+    assert FIELDS - {"evaluate"} <= declared  # 02 always measures both models
 
 
-def test_the_commands_defaults_are_the_settings_defaults():
+def test_the_rule_finds_a_restated_default():
+    node = ast.parse("nsamples: int = 128").body[0]
+    assert not _reads_paper(node)
+    assert _reads_paper(ast.parse("nsamples: int = PAPER.nsamples").body[0])
+    assert _reads_paper(ast.parse("hparams: dict = dict(PAPER.hparams)").body[0])
+
+
+def test_the_commands_options_are_the_configs_fields_with_its_defaults():
     prune = parser().parse_args(["prune", "m", "--out", "o"])
-    for name, value in _defaults().items():
-        if name in NOT_ON_THE_COMMAND_LINE:
+    for f in dataclasses.fields(RunConfig):
+        if not f.metadata["option"]:
             continue
-        given = not prune.no_eval if name == "evaluate" else getattr(prune, name)
-        assert given == CLI_ONLY.get(name, value), name
+        assert getattr(prune, f.name) == CLI_ONLY.get(f.name, getattr(PAPER, f.name)), f.name
+    plan = parser().parse_args(["plan", "m"])
+    assert (plan.nsamples, plan.seqlen, plan.sparsity) == (PAPER.nsamples, PAPER.seqlen, PAPER.sparsity)
+    assert parser().parse_args(["prune", "m", "--out", "o", "--round-to", "q4_k_m"]).round_to == "q4_k_m"
+    assert parser().parse_args(["prune", "m", "--out", "o", "--hparams", '{"K": 3}']).hparams == {"K": 3}
+
+
+def test_the_plans_and_the_methods_defaults_are_the_configs():
+    from spap_lib.methods import DEFAULT_METHOD
+    from spap_lib.plan import PlanRequest
+
+    asked = PlanRequest()
+    assert all(getattr(asked, k) == getattr(PAPER, k) for k in ("method", "sparsity", "nsamples", "seqlen",
+                                                                 "eval_seqlen", "eval_windows"))
+    assert DEFAULT_METHOD == PAPER.method
+
+
+def test_the_paper_config_file_does_not_restate_a_default():
+    config = yaml.safe_load((REPO / "configs/paper.yaml").read_text())
+    restated = sorted(k for k in config.keys() & FIELDS if config[k] == getattr(PAPER, k))
+    assert not restated, f"configs/paper.yaml restates {restated}: the notebooks' defaults are the paper's already"
+
+
+def test_a_config_is_checked_field_by_field_naming_the_option():
+    assert PAPER.check() is PAPER
+    with pytest.raises(ParameterError, match="nsamples"):
+        RunConfig(nsamples=0).check()
+    with pytest.raises(ParameterError, match="sparsity"):
+        PAPER.replace(sparsity=1.0).check()

@@ -11,6 +11,7 @@ import json
 import os
 
 import pytest
+from conftest import calibration
 from test_entry_points import TINY, refused, spap
 
 import spap_lib as sl
@@ -93,7 +94,6 @@ def test_a_tokenizer_stock_loading_rebuilds_otherwise_is_refused_at_save(tmp_pat
     from conftest import tiny_model
 
     from spap_lib.errors import CheckpointError
-    from spap_lib.evaluation.data import Calibration
     from spap_lib.model.adapters import get_adapter
     from spap_lib.model.loading import Loaded
     from spap_lib.model.sources import ModelSource
@@ -101,7 +101,7 @@ def test_a_tokenizer_stock_loading_rebuilds_otherwise_is_refused_at_save(tmp_pat
     model = tiny_model("qwen2")
     loaded = Loaded(model, tiny_tokenizer, get_adapter(model), ModelSource("tiny-qwen2", "dir", "-"),
                     torch.device("cpu"))
-    calib = Calibration(windows, torch.arange(len(windows)), "validation", "test-fixture", 10_000, 0)
+    calib = calibration(windows)
     report = sl.prune(loaded, calib, "magnitude", 0.25, progress=False)
     with pytest.raises(CheckpointError, match="reads it as Qwen2Tokenizer, which gives .* where the "
                                               "TokenizersBackend gives"):
@@ -115,7 +115,7 @@ def test_a_tokenizer_stock_loading_rebuilds_otherwise_is_refused_at_save(tmp_pat
 def test_the_digest_record_is_never_trusted_for_other_content(tmp_path, monkeypatch):
     from spap_lib import keys
 
-    monkeypatch.setenv("SPAP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPAP_CACHE_DIR", str(tmp_path / "cache"))
     big = tmp_path / "w.bin"
     big.write_bytes(b"a" * 4096)
     first = keys.file_digest(big, memo_above=1024)

@@ -15,6 +15,7 @@ import yaml
 from huggingface_hub import ModelCard, ModelCardData
 
 from spap_lib.artifact.portable import SUPPORTED
+from spap_lib.model.formats import format_of_report
 from spap_lib.model.sources import HUB_ALIASES
 from spap_lib.pipeline.blocks import width_note
 
@@ -80,9 +81,9 @@ def render(fields: dict) -> str:
     front = ModelCardData(base_model=known["base_model"], library_name="transformers", pipeline_tag="text-generation",
                           tags=list(dict.fromkeys(["pruned", "structured-pruning", "spap", method.split("/")[0]])),
                           license=known.get("license"), datasets=[CALIBRATION_DATASET])
-    removed = (fields.get("sparsity") or {}).get("mlp_channels_removed", 1) != 0 or "slicing" in fields
-    what = "every block's residual stream rotated and sliced (SliceGPT)" if "slicing" in fields else \
-        "whole MLP channels removed (structured pruning)"
+    fmt = format_of_report(fields)  # a whole-model method's layout, else MLP channels
+    removed = (fields.get("sparsity") or {}).get("mlp_channels_removed", 1) != 0 or fmt is not None
+    what = fmt.summary if fmt is not None else "whole MLP channels removed (structured pruning)"
     summary = f"Pruned with spap: {what}, so the tensors are physically smaller." if removed else \
         "Run through spap's prune with nothing removed (sparsity 0): the tensors keep the source's shapes."
     lines = [f"# {known['base_model']}, {method} at {_pct(fields.get('sparsity', {}).get('requested'))}", "",
@@ -159,7 +160,8 @@ def _perplexity(ppl: dict) -> str | None:
 
 
 def _loading(f: dict) -> list[str]:
-    uniform = not isinstance(f.get("sparsity", {}).get("mlp_width", {}).get("pruned"), list) and "slicing" not in f
+    uniform = not isinstance(f.get("sparsity", {}).get("mlp_width", {}).get("pruned"), list) and \
+        format_of_report(f) is None
     if uniform:
         how = ["```python", "from transformers import AutoModelForCausalLM, AutoTokenizer",
                'model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")', "```", "",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from spap_lib.artifact.figures import label_parts, load_rows, method_order
+from spap_lib.artifact.figures import ablation_of, label_parts, load_rows, method_order
 from spap_lib.errors import ParameterError
 from spap_lib.files import atomic_file
 
@@ -55,7 +55,7 @@ def _own_labels(pruned: pd.DataFrame) -> dict[str, str]:
 
     own = {}
     for method, rows in pruned.groupby(pruned["label"].map(lambda lab: parse_label(lab)[0]), sort=False):
-        if method in METHODS and not METHODS[method].ablation_of:
+        if method in METHODS and not ablation_of(method):
             counts = rows["label"].value_counts()
             own[method] = max(counts.index, key=lambda label: (counts[label], label == method))
     return own

@@ -8,16 +8,29 @@ import pandas as pd
 
 from spap_lib.errors import TableError
 
+# The paper's own method and its ablations (Table 5), each ablation with the method it ablates: figures and tables
+# list the baselines first (one-shot scores, then the propagating ones), then the ablations, then the method.
+OURS = "spap"
+ABLATIONS = {"spap_no_update": "spap", "spap_gd": "spap"}
+
+
+def ablation_of(method: str) -> str | None:
+    """The method that ``method`` ablates (Table 5), or None."""
+    return ABLATIONS.get(method)
+
+
+def is_ours(method: str) -> bool:
+    """The paper's method or one of its ablations (not a baseline)."""
+    return method == OURS or method in ABLATIONS
+
 
 def method_order() -> list[str]:
-    """Every registered method in the paper's order, from what the method classes declare: one-shot score
-    baselines, then the propagating baseline (FASP), then ablations, then the paper's method (each group
-    in registration order)."""
+    """Every registered method in the paper's order: one-shot score baselines, then the propagating baselines
+    (FASP), then the ablations, then the paper's method (each group in registration order)."""
     from spap_lib.methods import METHODS
 
     def group(name: str) -> int:
-        m = METHODS[name]
-        return 3 if m.ours and not m.ablation_of else 2 if m.ours else 1 if m.propagates else 0
+        return 3 if name == OURS else 2 if name in ABLATIONS else 1 if METHODS[name].propagates else 0
     return sorted(METHODS, key=group)
 
 
@@ -191,7 +204,6 @@ def best_compositions(results_csv: str | Path) -> pd.DataFrame:
     composition that includes SPAP's alternating update, and the best of those at uniform widths (stock-loadable
     checkpoints); ``lead`` is the best baseline's perplexity minus the best composition's (positive: the
     composition leads)."""
-    from spap_lib.methods import METHODS
     from spap_lib.methods.base import parse_label
 
     columns = ["model", "calib", "eval_seqlen", "eval_windows", "sparsity", "best baseline", "baseline ppl",
@@ -202,7 +214,7 @@ def best_compositions(results_csv: str | Path) -> pd.DataFrame:
         return pd.DataFrame(columns=columns)
     alternating = _part_of(table, "update") == "alternating"
     uniform = _part_of(table, "allocation").isin(("uniform", ""))
-    baseline = table["label"].map(lambda lab: not METHODS[parse_label(lab)[0]].ours) & ~alternating
+    baseline = table["label"].map(lambda lab: not is_ours(parse_label(lab)[0])) & ~alternating
     rows = []
     for key, cell in table.groupby(["model", "calib", "eval_seqlen", "eval_windows", "sparsity"], sort=True):
         def best(mask):

@@ -67,20 +67,20 @@ class Grid:
         self._eval_ids = None
 
     def dense_pass(self, key: str = "", curve=None, channels: bool = True, share: float = 1.0,
-                   low: bool = False) -> tuple[list, float]:
+                   in_bf16: bool = False) -> tuple[list, float]:
         """The dense statistics (with ``curve``'s error curves; without ``channels`` the angular distances only; on
-        the first ``share`` of the windows, ``allocation_inputs``; with bf16 products when ``low``) computed once
-        per ``key``, ``share`` and ``low``, and their seconds."""
-        key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if low else "")
+        the first ``share`` of the windows, ``allocation_inputs``; with bf16 products when ``in_bf16``) computed once
+        per ``key``, ``share`` and ``in_bf16``, and their seconds."""
+        key = (key if share == 1 else f"{key} ({share} of the windows)") + (" (bf16 products)" if in_bf16 else "")
         if key not in self._passes:
-            self._passes[key] = self._stored(key) or self._compute(key, curve, channels, share, low)
+            self._passes[key] = self._stored(key) or self._compute(key, curve, channels, share, in_bf16)
         return self._passes[key]
 
-    def _compute(self, key: str, curve, channels: bool, share: float, low: bool) -> tuple[list, float]:
+    def _compute(self, key: str, curve, channels: bool, share: float, in_bf16: bool) -> tuple[list, float]:
         t0 = time.perf_counter()
         run = RunSettings(batch_size=self.batch_size, chunk=self.chunk, progress=self.progress)
         stats = dense_stats(self.loaded.adapter, allocation_inputs(self.inputs, share, self.batch_size), run=run,
-                            curve=curve, channels=channels, low=low)
+                            curve=curve, channels=channels, in_bf16=in_bf16)
         seconds = time.perf_counter() - t0
         if self.shared is not None:
             save_dense_pass(self._pass_file(key), stats, seconds, self._pass_key(key))
@@ -126,11 +126,11 @@ class Grid:
             return None, 0.0
         if dense.curves:  # the curves are the variant's own, the same at every sparsity
             own = f"{variant.label} {resolved(variant.method, variant.hparams)}"  # a stored pass: the settings too
-            return self.dense_pass(own, algo.error_curve, share=dense.share, low=dense.bf16)
+            return self.dense_pass(own, algo.error_curve, share=dense.share, in_bf16=dense.bf16)
         if dense.channels:
-            return self.dense_pass(share=dense.share, low=dense.bf16)
+            return self.dense_pass(share=dense.share, in_bf16=dense.bf16)
         # the angular distances alone: what a prune of this variant pays by itself
-        return self.dense_pass("blocks", channels=False, share=dense.share, low=dense.bf16)
+        return self.dense_pass("blocks", channels=False, share=dense.share, in_bf16=dense.bf16)
 
     def resume_dir(self, variant: Variant, sparsity: float) -> Path | None:
         """Where a layer-by-layer cell keeps its finished layers: one folder per model, variant (with a

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 
 from spap_lib.errors import ParameterError, SourceError
+from spap_lib.files import REPO
+from spap_lib.keys import sha256_of
 
 WIKITEXT = "wikitext-2-raw-v1"
 HUB_DATASET = "Salesforce/wikitext"  # where the hub's ``wikitext`` lives: parquet files, one folder per config
@@ -24,7 +26,7 @@ HUB_DATASET = "Salesforce/wikitext"  # where the hub's ``wikitext`` lives: parqu
 SPLIT_FILES = {"train": "wiki.train.raw", "validation": "wiki.valid.raw", "test": "wiki.test.raw"}
 
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+REPO_DATA = REPO / "data"  # the checkout's data/ (data/README.md)
 
 
 def data_dir() -> Path:
@@ -61,7 +63,7 @@ def wikitext(split: str) -> Text:
     the committed results do), else from the hub cache or the hub."""
     local = data_dir() / WIKITEXT / SPLIT_FILES[split]
     if local.is_file():
-        digest = hashlib.sha256(local.read_bytes()).hexdigest()[:16]
+        digest = sha256_of(local)[:16]
         return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
     if _holds_wikitext():  # the data directory is the source: a split it lacks is not fetched elsewhere
         raise _not_found(split)

@@ -16,8 +16,9 @@ from spap_lib.methods.base import (
     parse_label,
     register,
 )
+from spap_lib.settings import PAPER
 
-DEFAULT_METHOD = "spap"  # the paper's method: what a prune uses unless told otherwise
+DEFAULT_METHOD = PAPER.method  # the paper's method: what a prune uses unless told otherwise
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")

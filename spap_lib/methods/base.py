@@ -15,7 +15,6 @@ import torch
 
 from spap_lib.checks import ParameterError, check_fields, scalar
 from spap_lib.errors import option_name
-from spap_lib.methods.cost_model import Shapes, host_set, layer_cost, working_set
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.model.adapters import MLP
 from spap_lib.numerics.collective import gather_rows
@@ -166,10 +165,6 @@ class Method:
     """
 
     name: str = ""
-    # The paper's own method (True) or a baseline; an ablation names the method it ablates. Figures and
-    # tables list baselines first, then the ablations, then the method (``figures.method_order``).
-    ours: ClassVar[bool] = False
-    ablation_of: ClassVar[str | None] = None
     # Whether calibration inputs of layer i+1 come from the pruned layer i. Methods that only
     # score dense weights do not need it, which lets a grid reuse dense statistics.
     propagates: ClassVar[bool] = True
@@ -189,10 +184,6 @@ class Method:
     # The products of that dense pass's replay: "full" (the model's own) or "bf16" (``linalg.products``: bf16 inputs,
     # float32 sums; the hidden states stay float32). A hyperparameter where a method offers it.
     allocation_precision: ClassVar[str] = "full"
-    # CFSP's angular allocation, keep_l ∝ sigmoid(a·(I_l − mean I)/scale) (CFSP's hyperparameters; these
-    # defaults serve other methods that offer allocation="angular").
-    a: ClassVar[float] = 1.0
-    scale: ClassVar[float] = 1e4
     # Whether channels are chosen by a score of the dense layer alone (no fit): without propagation,
     # one pass of dense statistics then serves every layer.
     scores_dense: ClassVar[bool] = False
@@ -293,8 +284,10 @@ class Method:
         raise NotImplementedError
 
     def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
-        """Methods of the "model" ``pipeline``: transform ``loaded.model`` in place; return timings,
-        per-layer diagnostics and the plan as data (``plan``), what ``spap_lib.load`` re-applies."""
+        """Methods of the "model" ``pipeline``: transform ``loaded.model`` in place; return ``seconds``, per-layer
+        diagnostics (``layers``), the ``precision`` it computed in, its ``sparsity``'s ``definition`` and what it
+        is ``counted_over``, and ``plan``: ``{plan_key: data}`` of its checkpoint format (``model.formats``), what
+        ``spap_lib.load`` re-applies."""
         raise NotImplementedError
 
     def hparams(self) -> dict:
@@ -304,23 +297,6 @@ class Method:
         """The hyperparameters that decide this instance's result: ``hparams()`` less those that its other
         settings make inert. A grid row recorded before an inert option existed is still current."""
         return self.hparams()
-
-    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
-        """The work of one decoder layer's prune, by stage and rate (``cost_model.layer_cost``)."""
-        return layer_cost(self, s)
-
-    def working_set(self, s: Shapes) -> dict[str, float]:
-        """Bytes held on the device while one layer is pruned, beyond weights and activations (``cost_model``)."""
-        return working_set(self, s)
-
-    def host_set(self, s: Shapes) -> dict[str, float]:
-        """Bytes kept in host memory while one layer is pruned (``cost_model.host_set``)."""
-        return host_set(self, s)
-
-    def token_samples(self, s: Shapes) -> float:
-        """Bytes of the copies of ``X`` and ``Y`` rows an update draws for its rounds, held where ``X`` and ``Y`` are
-        (none here)."""
-        return 0.0
 
 
 METHODS: dict[str, type[Method]] = {}

@@ -1,29 +1,30 @@
-"""The memory and work model every layer-wise method shares: what the plan (``spap plan``) prices per layer.
+"""The memory and work model of a method's layer: what the plan (``spap plan``, ``spap_lib.pricing``) prices.
 
-``Shapes`` are the sizes a layer's cost depends on; ``layer_cost`` counts the floating-point work by stage and
-rate, ``working_set`` and ``host_set`` the bytes a method holds while it prunes. A method with more stages (SPAP's
-rounds: ``methods/spap/cost.py``) adds its own.
+``Shapes`` are the sizes a layer's cost depends on. A method's pricing is not part of the method: each method class
+registers its own where it differs (``priced``: the compositions in ``methods/spap/cost.py``, SliceGPT beside
+itself), and the plan asks ``pricing(method)``. The defaults here serve every layer-wise method: ``layer_cost``
+counts the floating-point work by stage and rate, ``working_set`` and ``host_set`` the bytes it holds while it
+prunes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Callable
 
+from spap_lib.methods.base import Method
 from spap_lib.methods.parts.allocation import ALLOCATIONS
 from spap_lib.numerics.linalg import GRAM_BLOCKS, gram_flops
-
-if TYPE_CHECKING:  # the method's fields are read, nothing is imported from it
-    from spap_lib.methods.base import Method
 
 
 @dataclass(frozen=True)
 class Shapes:
-    """What a method's cost depends on, per decoder layer (``Method.cost``, ``Method.working_set``): ``N``
+    """What a method's cost depends on, per decoder layer (``Pricing``): ``N``
     calibration tokens, hidden size ``d``, MLP width ``n`` of which ``n_keep`` are kept, ``in_proj`` input
-    projections (gate and up: 2; fc1: 1), ``chunk`` tokens per Gram pass, ``p`` bytes per number of the
-    method's precision and ``b`` of the model's dtype, and the vocabulary ``vocab`` with ``tied`` embeddings.
+    projections (gate and up: 2; fc1: 1), ``chunk`` tokens per Gram pass, ``solve_bytes`` per number of the
+    method's precision and ``weight_bytes`` of the model's dtype, and the vocabulary ``vocab`` with ``tied``
+    embeddings.
     ``streamed``: ``X`` and ``Y`` wait in host memory and reach the device a chunk at a time (offloaded from a GPU),
-    so what is drawn from them (``Method.token_samples``) waits there too."""
+    so what is drawn from them (``Pricing.token_samples``) waits there too."""
 
     N: int
     d: int
@@ -31,15 +32,15 @@ class Shapes:
     n_keep: int
     in_proj: int
     chunk: int
-    p: int
-    b: int
+    solve_bytes: int
+    weight_bytes: int
     vocab: int
     tied: bool
     streamed: bool = False
 
 
 def chunks_of(N: int, chunk: int) -> int:
-    """How many chunks a pass over ``N`` tokens takes (``Method.cost``'s sequential steps)."""
+    """How many chunks a pass over ``N`` tokens takes (``Pricing.cost``'s sequential steps)."""
     return -(-N // chunk)
 
 
@@ -63,9 +64,9 @@ def layer_cost(m: Method, s: Shapes) -> dict[str, dict[str, float]]:
         return {"channel statistics": stats}
     gram = 2 * s.in_proj * s.N * s.d * s.n + gram_flops(s.N, s.n)
     targets = 2 * s.N * s.d * s.n if m.uses_targets else 0  # Y = W Z from the same pass
-    Na = m.allocation_tokens(s.N)  # the dense pass that decides the widths
-    allocating = {"dense channel statistics": {"fp32": 2 * s.in_proj * Na * s.d * s.n, "steps": chunks_of(
-        Na, s.chunk)}} if "channel_stats" in ALLOCATIONS[m.allocation].needs else {}
+    alloc_tokens = m.allocation_tokens(s.N)  # the dense pass that decides the widths
+    allocating = {"dense channel statistics": {"fp32": 2 * s.in_proj * alloc_tokens * s.d * s.n, "steps": chunks_of(
+        alloc_tokens, s.chunk)}} if "channel_stats" in ALLOCATIONS[m.allocation].needs else {}
     return {**allocating, "dense Gram pass": {"fp32": gram + targets, "steps": chunks},
             "refit solve": {"solve": solve_flops(s.n + 1, s.d), "steps": 1}}
 
@@ -90,21 +91,22 @@ def working_set(m: Method, s: Shapes) -> dict[str, float]:
     if not m.fits:
         return {}
     proj, c, k = s.in_proj, min(s.chunk, s.N), s.n_keep
+    p, b = s.solve_bytes, s.weight_bytes  # the symbols above
 
     def chunk_and_block(width: int) -> int:
-        return c * (2 * width + 2 * s.d) * 4 + -(-(width + 1) // GRAM_BLOCKS) * (width + 1) * (4 + s.p)
+        return c * (2 * width + 2 * s.d) * 4 + -(-(width + 1) // GRAM_BLOCKS) * (width + 1) * (4 + p)
 
-    dense = {"dense MLP (float32)": (proj + 1) * s.d * s.n * 4} if s.b != 4 else {}  # ``Adapter.get_mlp``
+    dense = {"dense MLP (float32)": (proj + 1) * s.d * s.n * 4} if b != 4 else {}  # ``Adapter.get_mlp``
     stages = {
-        "dense pass": {"Gram matrix": (s.n + 1) ** 2 * s.p, "a chunk and its Gram block": chunk_and_block(s.n)},
-        "solves": {"Gram matrix + factor (2 n², in place)": 2 * (s.n + 1) ** 2 * s.p,
-                   "Y Zᵀ, W, right-hand sides": 3 * s.d * (s.n + 1) * s.p}}
+        "dense pass": {"Gram matrix": (s.n + 1) ** 2 * p, "a chunk and its Gram block": chunk_and_block(s.n)},
+        "solves": {"Gram matrix + factor (2 n², in place)": 2 * (s.n + 1) ** 2 * p,
+                   "Y Zᵀ, W, right-hand sides": 3 * s.d * (s.n + 1) * p}}
     if m.uses_targets:
-        stages["update rounds"] = {"a round's Gram matrix + factor": 2 * (k + 1) ** 2 * s.p,
-                                   "Y Zᵀ, W": 2 * s.d * (k + 1) * s.p,
+        stages["update rounds"] = {"a round's Gram matrix + factor": 2 * (k + 1) ** 2 * p,
+                                   "Y Zᵀ, W": 2 * s.d * (k + 1) * p,
                                    "pruned MLP, gradients, Adam moments": (4 * proj + 1) * s.d * k * 4,
                                    "a chunk and its Gram block": chunk_and_block(k)}
-        samples = m.token_samples(s)
+        samples = pricing(m).token_samples(m, s)
         if samples and not s.streamed:
             stages["update rounds"]["token samples"] = samples
     stage = max(stages, key=lambda name: sum(stages[name].values()))
@@ -118,5 +120,36 @@ def host_set(m: Method, s: Shapes) -> dict[str, float]:
     if not m.uses_targets:
         return {}
     held = {"update's start and best round": 2 * (s.in_proj + 1) * s.d * s.n_keep * 4}
-    samples = m.token_samples(s)
+    samples = pricing(m).token_samples(m, s)
     return held | ({"update's token samples": samples} if s.streamed and samples else {})
+
+
+def no_samples(m: Method, s: Shapes) -> float:
+    """Bytes of the copies of ``X`` and ``Y`` rows an update draws for its rounds: none."""
+    return 0.0
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How the plan prices one layer of a method, each hook taking ``(method, Shapes)``: ``cost`` its work by stage
+    and rate, ``working_set`` the bytes it holds on the device beyond weights and activations, ``host_set`` those
+    kept in host memory, ``token_samples`` the bytes of the ``X`` and ``Y`` rows its rounds draw, held where ``X``
+    and ``Y`` are."""
+
+    cost: Callable[[Method, Shapes], dict] = layer_cost
+    working_set: Callable[[Method, Shapes], dict] = working_set
+    host_set: Callable[[Method, Shapes], dict] = host_set
+    token_samples: Callable[[Method, Shapes], float] = no_samples
+
+
+PRICES: dict[type, Pricing] = {}
+
+
+def priced(cls: type[Method], **hooks: Callable) -> None:
+    """Register how ``cls`` and its subclasses are priced where they differ from the defaults (``Pricing``)."""
+    PRICES[cls] = Pricing(**hooks)
+
+
+def pricing(m: Method) -> Pricing:
+    """The pricing of the nearest class of ``m`` that registered one, else the defaults."""
+    return next((PRICES[c] for c in type(m).__mro__ if c in PRICES), Pricing())

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from spap_lib.checks import hp
 from spap_lib.methods.base import register
+from spap_lib.methods.parts.composition import Composition
 from spap_lib.methods.parts.selection import SELECTIONS, UPDATES
-from spap_lib.methods.spap.algorithm import Composition
 
 
 @register

@@ -32,7 +32,7 @@ class ScoreMethod(Method):
     selection: ClassVar[str] = ""  # the part of ``parts.SELECTIONS`` this method's score is
 
     def score(self, mlp: MLP, stats: ChannelStats) -> torch.Tensor:
-        return SELECTIONS[self.selection].score(mlp, stats)
+        return SELECTIONS[self.selection].score(self, mlp, stats)
 
     def parts(self) -> dict[str, str]:
         return {"select": self.selection, "allocation": self.allocation, "update": "none"}

@@ -95,6 +95,10 @@ def _new_linear(W: torch.Tensor, b: torch.Tensor | None, like: nn.Linear) -> nn.
     return lin
 
 
+# What a prune's sparsity counts: the parameters ``Adapter.decoder_params`` sums.
+COUNTED_OVER = "parameters inside decoder layers (attention, MLP, norms); not embeddings, final norm or LM head"
+
+
 class Adapter:
     """Base class. Subclasses name the modules; shrinking and accounting are shared."""
 

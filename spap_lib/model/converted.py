@@ -7,12 +7,10 @@ that time (docs/gguf.md). The folder is named by the file's SHA-256 and carries 
 of that digest and of the ``transformers`` version that converted it, so a changed file or converter is a new
 conversion, never a reuse; a folder that does not load is removed and made again.
 
-``SPAP_CACHE_DIR`` names the cache root (default ``$XDG_CACHE_HOME/spap``, else ``~/.cache/spap``); ``off``
-turns the cache off.
+The folders live in spap's cache folder (``files.cache_dir``: ``SPAP_CACHE_DIR``; ``off`` keeps none).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,47 +19,25 @@ from pathlib import Path
 
 import torch
 
-from spap_lib.files import atomic_dir, write_json_atomic
+from spap_lib.files import atomic_dir, cache_dir, write_json_atomic
+from spap_lib.keys import file_digest
 
 RECORD = "spap_converted.json"
-_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime) -> SHA-256, within one process
-
-
-def cache_root() -> Path | None:
-    """Where converted models wait, or None when the cache is off (``SPAP_CACHE_DIR=off``)."""
-    named = os.environ.get("SPAP_CACHE_DIR")
-    if named == "off":
-        return None
-    if named:
-        return Path(named)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spap"
-
-
-def digest(path: str | os.PathLike) -> str:
-    """The file's SHA-256, computed once per process for an unchanged file (size and modification time)."""
-    st = os.stat(path)
-    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _DIGESTS[key] = h.hexdigest()
-    return _DIGESTS[key]
 
 
 def _entry(root: Path, gguf: Path) -> tuple[Path, dict]:
     """The cache folder of this GGUF file under ``root``, and the record a conversion there must carry."""
     import transformers
 
-    expected = {"gguf_sha256": digest(gguf), "gguf_size": gguf.stat().st_size, "transformers": transformers.__version__}
+    expected = {"gguf_sha256": file_digest(gguf), "gguf_size": gguf.stat().st_size,
+                "transformers": transformers.__version__}
     return root / "gguf" / expected["gguf_sha256"][:32], expected
 
 
 def folder(gguf: str | os.PathLike) -> Path | None:
     """The cache folder of this GGUF file where it holds a complete conversion of exactly this file by this
     ``transformers``; else None."""
-    root = cache_root()
+    root = cache_dir()
     if root is None:
         return None
     path, expected = _entry(root, Path(gguf))
@@ -96,7 +72,7 @@ def load_converted(path: Path, dtype: torch.dtype, name_or_path: str):
 def convert(gguf: str | os.PathLike, model: torch.nn.Module, tokenizer) -> Path | None:
     """Save a model just read from ``gguf`` (float32, as dequantized) and its tokenizer as its cache folder,
     atomically; None where the cache is off or cannot be written (the load goes on without it)."""
-    root = cache_root()
+    root = cache_dir()
     if root is None or next(model.parameters()).dtype != torch.float32:
         return None
     gguf = Path(gguf)

@@ -31,6 +31,7 @@ class CheckpointFormat:
     mark: Callable[[Path, dict], None] | None = None
     shape: Callable[[torch.nn.Module, dict], torch.nn.Module] | None = None
     base_model_type: Callable[[dict], str | None] | None = None
+    summary: str = ""  # what a prune saved in this format did to the model, for its card
 
 
 FORMATS: dict[str, CheckpointFormat] = {}

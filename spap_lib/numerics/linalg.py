@@ -53,13 +53,13 @@ def check_finite(H: torch.Tensor, what: str) -> None:
 
 
 @contextmanager
-def products(low: bool, device: torch.device):
-    """Matrix products of the block with bfloat16 inputs when ``low`` (``torch.autocast``; the kernels
+def products(in_bf16: bool, device: torch.device):
+    """Matrix products of the block with bfloat16 inputs when ``in_bf16`` (``torch.autocast``; the kernels
     accumulate in float32), else as they are. bf16 products outrun float32's on a CPU with AVX512-BF16 and TF32's on
     an H100 (docs/scale.md: Numerics that fit GPUs); on a CPU without bf16 units the same
     products come from the float32 kernels (``bf16.autocast``). Used where an approximate product is later
     corrected (the update's intermediate rounds), never for a final fit."""
-    if not low:
+    if not in_bf16:
         yield
         return
     with bf16.autocast(device):  # on a CPU without bf16 units, the float32 kernels on rounded operands
@@ -67,7 +67,7 @@ def products(low: bool, device: torch.device):
 
 
 @contextmanager
-def exact_bf16_products(on: bool, device: torch.device):
+def exact_bf16_products(in_bf16: bool, device: torch.device):
     """float32 products of operands that are already bf16 values (``Z`` from ``products``) computed by the CPU's
     bf16 units, with float32 sums and outputs (oneDNN's bf16 math mode; CUDA's TF32 products already take bf16
     values exactly). A product of two bf16 values is exact in float32, so the result is the float32 product up to
@@ -75,7 +75,8 @@ def exact_bf16_products(on: bool, device: torch.device):
     leave the answer as it was). Where an operand is not a bf16 value it is rounded to one: use only on rounded
     operands. Off where the CPU has no bf16 units (``bf16.rounded``): oneDNN's bf16 mode there is slower than the
     float32 kernels, whose products of these operands are the same numbers."""
-    if not on or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available() or bf16.rounded(device):
+    cpu = torch.device(device).type == "cpu"
+    if not in_bf16 or not cpu or not torch.backends.mkldnn.is_available() or bf16.rounded(device):
         yield
         return
     old = torch.backends.mkldnn.matmul.fp32_precision
@@ -152,11 +153,11 @@ def mirror(H: torch.Tensor) -> torch.Tensor:
 
 
 def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype: torch.dtype = torch.float64,
-         low: bool = False, weigh: str | torch.Tensor | None = None, each=None):
+         in_bf16: bool = False, weigh: str | torch.Tensor | None = None, each=None):
     """Accumulate ``H = Z̃ Z̃ᵀ`` (and ``Y Z̃ᵀ`` when ``Y`` is given) over token chunks of the MLP inputs
     ``X [N, d]``, ``Z = mlp.hidden(X)`` (``Z̃ = [Z; 1]`` when ``mlp`` has an output bias), on the MLP's device
     (``X`` and ``Y`` may wait elsewhere: ``rows``): float32 products of each chunk, summed in ``dtype``. With
-    ``low``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of
+    ``in_bf16``, ``Z`` and ``Y Z̃ᵀ`` come from bf16 products (``products``); ``Z̃ Z̃ᵀ`` stays a float32 product of
     the rounded ``Z``, so it is still positive semidefinite (a bf16-rounded Gram matrix is not, and its damped
     Cholesky can fail). With ``weigh="output"``, each token's ``z̃`` is divided by the norm of its own output
     ``‖mlp(x)‖``: then ``⟨W H, W⟩`` and ``W H`` are the output errors and targets of every token relative to its
@@ -172,7 +173,7 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
     reference = weigh if isinstance(weigh, torch.Tensor) else None
     W = mlp.out_augmented().float() if isinstance(weigh, str) and weigh == "output" else None  # outputs weigh tokens
     for start in range(0, X.shape[0], chunk):
-        with products(low, device):
+        with products(in_bf16, device):
             Z = mlp.hidden(rows(X, start, start + chunk, device).float())
         if each is not None:
             each(Z)
@@ -180,10 +181,10 @@ def gram(mlp, X: torch.Tensor, chunk: int, Y: torch.Tensor | None = None, dtype:
         if W is not None or reference is not None:  # a (near) zero reference is floored, never divided by
             e = energies(Z @ W.T) if reference is None else rows(reference, start, start + chunk, device).double()
             Z = Z * e.clamp_min(1e-12 * float(e.mean()) + torch.finfo(torch.float64).tiny).rsqrt().float()[:, None]
-        with exact_bf16_products(low, device):  # with ``low``, Z holds bf16 values
+        with exact_bf16_products(in_bf16, device):  # with ``in_bf16``, Z holds bf16 values
             add_gram(H, Z)
         if Y is not None:
-            with products(low, device):
+            with products(in_bf16, device):
                 YZ += (rows(Y, start, start + chunk, device).float().T @ Z).to(dtype)
     all_sum_(H)  # over the ranks' tokens (``collective``): the identity in one process
     mirror(H)

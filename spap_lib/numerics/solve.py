@@ -154,3 +154,8 @@ def reconstruction_error(W: torch.Tensor, H: torch.Tensor, YZ: torch.Tensor, YY:
         quadratic += sum(float(((Wi @ H[:, j:j + block].double()) * Wi[:, j:j + block]).sum())
                          for j in range(0, H.shape[1], block))
     return float(YY - 2 * linear) + quadratic
+
+
+def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
+    """The columns of ``W̃ = [W, b]`` that the kept channels ``keep`` use: the bias column ``n`` too, if any."""
+    return torch.cat([keep, keep.new_tensor([n])]) if bias else keep

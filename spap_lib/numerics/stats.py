@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from spap_lib.numerics.collective import all_sum, all_sum_, total
 from spap_lib.numerics.linalg import rows
-
-if TYPE_CHECKING:  # an MLP is only read here (``intermediate``); numerics import nothing above them
-    from spap_lib.model.adapters import MLP
 
 
 @dataclass
@@ -79,7 +75,9 @@ class ChannelStats:
         return self
 
     @classmethod
-    def of(cls, mlp: MLP, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
+    def of(cls, mlp, X: torch.Tensor, chunk: int = 8192) -> "ChannelStats":
+        """The sums of an ``MLP``'s (``model.adapters``) intermediate activations over the tokens ``X``, a chunk at a
+        time (numerics import nothing above them: the MLP is only called)."""
         stats = cls.empty(mlp.width, mlp.W_out.device)
         with torch.no_grad():
             for start in range(0, X.shape[0], chunk):  # X may wait in host memory (``linalg.rows``)

@@ -339,11 +339,12 @@ def clear_folder(folder: str | os.PathLike) -> None:
         folder.rmdir()
 
 
-def code_modules(method_cls) -> list:
+def code_modules(method) -> list:
     """The source that decides a layer's result: the modules of the method's class and of every class it
-    derives from (a preset's parent holds its algorithm), every module of the methods package those draw on
-    (the parts, the penalty method, the update's rounds), the channel statistics, the allocations, the numerics
-    and the pipeline."""
+    derives from (a preset's parent holds its algorithm), every module of the methods package those draw on,
+    the modules of the parts the method composes (``parts()``: a selection or an update registered beside its
+    maths, the penalty method's or the rounds'), the channel statistics, the allocations, the numerics and the
+    pipeline."""
     import inspect
 
     from spap_lib.methods.parts import allocation
@@ -353,8 +354,13 @@ def code_modules(method_cls) -> list:
     from spap_lib.numerics import linalg, stats
     from spap_lib.pipeline import sequential as pipeline
 
-    own = (inspect.getmodule(c) for c in method_cls.__mro__ if c.__module__.startswith("spap_lib."))
-    found = list(dict.fromkeys(own))
+    registries = {"select": parts.SELECTIONS, "update": parts.UPDATES, "allocation": allocation.ALLOCATIONS}
+    # a part the method names but no registry holds (FLAP's bias compensation) is its class's own code
+    chosen = [registries[kind][name] for kind, name in method.parts().items() if name in registries[kind]]
+    own = [inspect.getmodule(c) for c in type(method).__mro__ if c.__module__.startswith("spap_lib.")]
+    own += [inspect.getmodule(v) for part in chosen for v in vars(part).values() if callable(v)]
+    own += [inspect.getmodule(part.settings) for part in chosen if part.settings is not None]
+    found = list(dict.fromkeys(m for m in own if m is not None and m.__name__.startswith("spap_lib.")))
     for module in found:  # grows as it goes: what a found module imports from the package is searched too
         for value in vars(module).values():
             source = inspect.getmodule(value)
@@ -363,9 +369,9 @@ def code_modules(method_cls) -> list:
     return list(dict.fromkeys([*found, parts, stats, allocation, linalg, pipeline]))
 
 
-def code_hash(method_cls) -> str:
-    """A short hash of ``code_modules``: layers pruned by other code are not reused; edits elsewhere do
-    not invalidate."""
+def code_hash(method) -> str:
+    """A short hash of ``code_modules`` of a method instance: layers pruned by other code are not reused; edits
+    elsewhere do not invalidate."""
     from spap_lib.keys import code_digest
 
-    return code_digest(*code_modules(method_cls))
+    return code_digest(*code_modules(method))

@@ -47,14 +47,14 @@ class RunSettings:
 
 def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = None,
                 run: RunSettings = RunSettings(), curve=None, channels: bool = True,
-                low: bool = False) -> list[ChannelStats]:
+                in_bf16: bool = False) -> list[ChannelStats]:
     """One pass through the dense layers: every layer's ``ChannelStats`` and block angular distance.
 
     ``inputs`` are the layer-0 inputs and per-layer kwargs from ``first_layer_inputs``; ``curve``
     (``Method.error_curve``) adds each layer's error curve, for the "error" allocation, and takes its statistics
     (from the curve's own Gram pass where that reads every token). Without ``channels``
     the pass is the layers' replay alone, for the angular distances (``ChannelStats.blocks_only``): no MLP
-    inputs kept, no pass over their activations. With ``low`` the replay's products take bf16 inputs
+    inputs kept, no pass over their activations. With ``in_bf16`` the replay's products take bf16 inputs
     (``linalg.products``); the statistics and curves are then taken from its float32 outputs as they are.
     """
     onloader = onloader or _resident(adapter)
@@ -63,7 +63,7 @@ def dense_stats(adapter: Adapter, inputs: tuple, *, onloader: Onloader | None = 
     for i in tqdm(range(len(adapter.layers())), desc="dense statistics", disable=not run.progress):
         with onloader.layer(i) as layer:
             watch = adapter.mlp_input_module(layer) if channels or curve is not None else None
-            with products(low, onloader.device):
+            with products(in_bf16, onloader.device):
                 out, X = replay(layer, hidden, {b: kw[i] for b, kw in kwargs.items()}, _batching(onloader, run),
                                 watch)
             if X is None:
@@ -103,38 +103,36 @@ def _resident(adapter: Adapter) -> Onloader:
     return Onloader(adapter.model, adapter.layers(), next(layer.parameters()).device)
 
 
-def prune_model(
-    model: torch.nn.Module,
-    adapter: Adapter,
-    windows: torch.Tensor,
-    method: Method,
-    plan: SparsityPlan,
-    *,
-    device: torch.device | str,
-    onloader: Onloader | None = None,
-    run: RunSettings = RunSettings(),
-    inputs: tuple | None = None,
-    stats: list[ChannelStats] | None = None,
-    checkpoint=None,
-) -> dict:
-    """Prune every decoder layer's MLP in place.
+@dataclass
+class Shared:
+    """What runs on one calibration set may share (the grid, ``grid.Grid``): the layer-0 ``inputs`` (hidden states
+    and kwargs) and the dense channel statistics ``stats``; computed where None."""
+    inputs: tuple | None = None
+    stats: list[ChannelStats] | None = None
+
+
+def prune_model(adapter: Adapter, windows: torch.Tensor, method: Method, plan: SparsityPlan, *,
+                run: RunSettings = RunSettings(), onloader: Onloader | None = None, shared: Shared | None = None,
+                checkpoint=None) -> dict:
+    """Prune every decoder layer's MLP of ``adapter.model`` in place.
 
     ``run``: batching, seed and progress, and ``propagate`` (default: the method's own setting), which calibrates
     layer i+1 on the outputs of the pruned layer i (SPAP, FASP) instead of the dense one. Score methods without
-    propagation work from dense statistics only (``stats``, computed here unless given): one pass. A non-uniform
-    ``allocation`` is decided on dense statistics before the first layer is pruned.
-    ``onloader`` (``spap_lib.model.offload``) says where weights wait between layers; default: resident.
-    ``inputs`` (layer-0 inputs and kwargs) may be shared between runs on the same calibration set.
-    Returns timings (``allocation_seconds``: deciding the per-layer widths, within ``seconds``), per-layer
-    diagnostics and the plan as data: the dense channel indices kept in every layer (``kept_channels``), enough
-    to re-apply the same selection to the dense model.
+    propagation work from dense statistics only (``shared.stats``, computed here unless given): one pass. A
+    non-uniform ``allocation`` is decided on dense statistics before the first layer is pruned.
+    ``onloader`` (``spap_lib.model.offload``) says where weights wait between layers; default: resident, on the
+    device the first layer is on. ``shared.inputs`` (layer-0 inputs and kwargs) may be shared between runs on the
+    same calibration set. Returns timings (``allocation_seconds``: deciding the per-layer widths, within
+    ``seconds``), per-layer diagnostics and the plan as data: the dense channel indices kept in every layer
+    (``kept_channels``), enough to re-apply the same selection to the dense model.
     ``checkpoint`` (``resume.LayerCheckpoint``): layer-by-layer pruning saves every finished layer there
     and resumes after the last one it finds (removed once the run completes).
     """
+    model, inputs, stats = adapter.model, (shared or Shared()).inputs, (shared or Shared()).stats
     propagate = method.propagates if run.propagate is None else run.propagate
     run = replace(run, propagate=propagate, progress=run.progress and world().rank == 0)  # one bar for several ranks
     batch_size = run.batch_size
-    onloader = onloader or Onloader(model, adapter.layers(), torch.device(device))
+    onloader = onloader or _resident(adapter)
     method.prepare(adapter)  # architecture checks before any work
     t0 = time.perf_counter()
     layers = adapter.layers()
@@ -147,7 +145,7 @@ def prune_model(
     scoring = dense is not None and dense.scores  # a pass the method's scores need anyway
     if dense is not None and (stats is None or curve and any(s.curve is None for s in stats)):
         stats = dense_stats(adapter, allocation_inputs(inputs, dense.share, batch_size), onloader=onloader, run=run,
-                            curve=curve, channels=dense.channels, low=dense.bf16)
+                            curve=curve, channels=dense.channels, in_bf16=dense.bf16)
     if scoring:
         t_alloc = time.perf_counter()
     removals = [plan.n_remove] * len(layers) if uniform else \

@@ -146,8 +146,11 @@ ALLOCATIONS = Registry("allocation")
 ALLOCATIONS.register(Allocation("uniform"))
 ALLOCATIONS.register(Allocation("global", frozenset({"dense_pass", "channel_stats", "scores"}),
                                 split=lambda method, stats, width, total, scores: global_standardized(scores, total)))
+# CFSP's angular rule, with CFSP's hyperparameters where the method has them (``scores.CFSP``), else their defaults
+ANGULAR = {"a": 1.0, "scale": 1e4}
 ALLOCATIONS.register(Allocation("angular", frozenset({"dense_pass"}), split=lambda method, stats, width, total, scores:
-                                angular([s.angular for s in stats], width, total, a=method.a, scale=method.scale)))
+                                angular([s.angular for s in stats], width, total,
+                                        **{k: getattr(method, k, v) for k, v in ANGULAR.items()})))
 ALLOCATIONS.register(Allocation("error", frozenset({"dense_pass", "channel_stats", "curves"}),
                                 split=lambda method, stats, width, total, scores: by_error([s.curve for s in stats],
                                                                                            total)))

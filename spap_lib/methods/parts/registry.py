@@ -20,13 +20,19 @@ NEEDS = {
     "rounds": "rounds of Adam steps on the dense targets Y, token by token (the update's hyperparameters)",
     "closed_form": "each round ends in a closed-form solve of the output projection: the rounds' token sample can be "
                    "resampled for it, and the best round refitted on every token",
+    "solves": "it solves for the output projection itself (the penalty method's W-steps): the damping acts",
 }
 
 
 @dataclass(frozen=True)
 class Part:
+    """A registered part. ``settings``: the dataclass of hyperparameters a composition must carry to use it (the
+    penalty method's, the update rounds'); its fields act only while the part is chosen, and its ``inert(method)``,
+    where it has one, names those that the chosen part's other settings make inert."""
+
     name: str
     needs: frozenset[str] = field(default_factory=frozenset)
+    settings: type | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.needs) - set(NEEDS)

@@ -46,20 +46,27 @@ def column_scores(W: torch.Tensor, znorm: torch.Tensor, t: float, scale_free: bo
 
 @dataclass(frozen=True)
 class Selection(Part):
-    """Which channels a layer keeps. ``score`` ranks them on the layer's channel statistics (higher = more
-    important; ``stats.norm`` may come from a Gram diagonal); None for the penalty method, whose score moves
-    with its W-steps (``SPAP.choose``)."""
+    """Which channels a layer keeps. ``score(method, mlp, stats)`` ranks them on the layer's channel statistics
+    (higher = more important; ``stats.norm`` may come from a Gram diagonal). ``choose(method, problem)``, where
+    given, replaces keeping the highest scores: the penalty method's score moves with its W-steps, and it returns
+    its own refitted output projection (``Composition.choose``)."""
 
-    score: Callable[[MLP, ChannelStats], torch.Tensor] | None = None
+    score: Callable[..., torch.Tensor] | None = None
+    choose: Callable | None = None
 
 
+def _fixed(score: Callable[[MLP, ChannelStats], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A score that no hyperparameter of the method changes."""
+    return lambda method, mlp, stats: score(mlp, stats)
+
+
+# the penalty method registers beside its maths: ``methods/spap/penalty.py``
 SELECTIONS = Registry("selection")
-SELECTIONS.register(Selection("penalty"))
-SELECTIONS.register(Selection("wanda", score=lambda mlp, s: mlp.W_out.double().abs().sum(0) * s.norm))
-SELECTIONS.register(Selection("act_norm", score=lambda mlp, s: s.norm.double()))
+SELECTIONS.register(Selection("wanda", score=_fixed(lambda mlp, s: mlp.W_out.double().abs().sum(0) * s.norm)))
+SELECTIONS.register(Selection("act_norm", score=_fixed(lambda mlp, s: s.norm.double())))
 SELECTIONS.register(Selection("fluctuation", frozenset({"channel_mean"}),
-                              score=lambda mlp, s: s.var * mlp.W_out.double().pow(2).sum(0)))
-SELECTIONS.register(Selection("magnitude", score=lambda mlp, s: mlp.W_out.double().norm(dim=0)))
+                              score=_fixed(lambda mlp, s: s.var * mlp.W_out.double().pow(2).sum(0))))
+SELECTIONS.register(Selection("magnitude", score=_fixed(lambda mlp, s: mlp.W_out.double().norm(dim=0))))
 
 
 @dataclass(frozen=True)

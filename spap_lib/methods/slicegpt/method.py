@@ -14,7 +14,8 @@ from typing import ClassVar
 from spap_lib.checks import hp
 from spap_lib.errors import ParameterError, option_name
 from spap_lib.methods.base import Method, register
-from spap_lib.methods.cost_model import Shapes, chunks_of
+from spap_lib.methods.cost_model import Shapes, chunks_of, priced
+from spap_lib.model.adapters import COUNTED_OVER
 
 
 @register
@@ -30,16 +31,6 @@ class SliceGPT(Method):
         return ("it rotates and slices the residual stream of the whole model: there are no MLP channels to select, "
                 "allocate over layers or update")
 
-    def cost(self, s: Shapes) -> dict[str, dict[str, float]]:
-        # per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)
-        return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3),
-                                                  "steps": 3 * (chunks_of(s.N, s.chunk) + 1)}}
-
-    def working_set(self, s: Shapes) -> dict[str, float]:
-        # the head untied from tied embeddings, the float64 PCA Gram and one chunk
-        return {**({"untied head copy": s.vocab * s.d * s.b} if s.tied else {}),
-                "PCA Gram (float64)": 2 * s.d * s.d * 8 + min(s.chunk, s.N) * s.d * 8}
-
     def check_config(self, config) -> None:
         from spap_lib.methods.slicegpt.slicing import layout_of
 
@@ -53,12 +44,31 @@ class SliceGPT(Method):
         super().check_settings(round_to=round_to, propagate=propagate, resume_dir=resume_dir)  # not resumable
 
     def prune_model(self, loaded, calib, sparsity: float, *, batch_size: int, progress: bool) -> dict:
-        from spap_lib.methods.slicegpt.slicing import fuse_norms, plan_of, rotate_and_slice, sliced_dim
+        from spap_lib.methods.slicegpt.slicing import SLICED_FORMAT, fuse_norms, plan_of, rotate_and_slice, sliced_dim
 
         t0 = time.perf_counter()
         model = loaded.model
         k = sliced_dim(model.config.hidden_size, sparsity, self.round_to)
         layout = fuse_norms(model)
         dims = rotate_and_slice(model, layout, calib.windows, k, batch_size=batch_size, device=loaded.device)
-        return {"seconds": time.perf_counter() - t0, "layers": dims, "plan": plan_of(model, layout, dims),
-                "sliced_dim": k, "hidden_size": model.config.hidden_size}
+        d = model.config.hidden_size
+        return {"seconds": time.perf_counter() - t0, "layers": dims, "precision": "float64",
+                "plan": {SLICED_FORMAT.plan_key: plan_of(model, layout, dims)},
+                "sparsity": {"definition": f"{self.name}: fraction of the residual-stream dimension sliced "
+                                           f"({d} -> {k})",
+                             "counted_over": COUNTED_OVER.replace("norms", "norms, shortcut matrices")}}
+
+
+def _cost(m: SliceGPT, s: Shapes) -> dict[str, dict[str, float]]:
+    """Per block three float64 PCA Gram sums (d x d) and eigendecompositions (~9 d³, counted at the solve rate)."""
+    return {"PCA (float64 Gram sums, eigh)": {"solve": 3 * (2 * s.N * s.d * s.d + 9 * s.d**3),
+                                              "steps": 3 * (chunks_of(s.N, s.chunk) + 1)}}
+
+
+def _working_set(m: SliceGPT, s: Shapes) -> dict[str, float]:
+    """The head untied from tied embeddings, the float64 PCA Gram and one chunk."""
+    return {**({"untied head copy": s.vocab * s.d * s.weight_bytes} if s.tied else {}),
+            "PCA Gram (float64)": 2 * s.d * s.d * 8 + min(s.chunk, s.N) * s.d * 8}
+
+
+priced(SliceGPT, cost=_cost, working_set=_working_set)

@@ -379,4 +379,5 @@ def load_sliced(path, dtype: torch.dtype) -> nn.Module:
 SLICED_FORMAT = register_format(CheckpointFormat(
     "spap_slicing", "SliceGPT checkpoint (shortcut matrices between blocks)", load_sliced, read_config=sliced_config,
     resident_only=True, checks_own_shapes=True, plan_key="slicing", method="slicegpt", mark=mark_sliced,
-    shape=shape_like, base_model_type=lambda config: (config.get("spap_slicing") or {}).get("base_model_type")))
+    shape=shape_like, base_model_type=lambda config: (config.get("spap_slicing") or {}).get("base_model_type"),
+    summary="every block's residual stream rotated and sliced (SliceGPT)"))

@@ -10,14 +10,16 @@ deviations from the paper, listed in ``spap``.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 
+from spap_lib.checks import hp
+from spap_lib.methods.base import LayerProblem
 from spap_lib.methods.parts.selection import UPDATES, Update
 from spap_lib.model.adapters import MLP
-from spap_lib.numerics.collective import all_sum, grads_sum_, local_rows, span, total, world
+from spap_lib.numerics.collective import all_sum, grads_sum_, local_rows, span, subsample, total, world
 from spap_lib.numerics.linalg import energies, gram, mean_diag, products, rows, sq_norm
 from spap_lib.numerics.solve import reconstruction_error, ridge
 
@@ -55,9 +57,9 @@ def adam(weights: list[torch.Tensor], biases: list[torch.Tensor | None], lr: flo
 
 
 def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.Optimizer, gen: torch.Generator,
-                  steps: int, batch_tokens: int, low: bool = False) -> None:
+                  steps: int, batch_tokens: int, in_bf16: bool = False) -> None:
     """``steps`` Adam steps on ``‖Y − mlp(X)‖²`` over random mini-batches of ``batch_tokens`` tokens
-    (forward and backward products in bf16 with ``low``; the weights and Adam's state stay float32). Across ranks
+    (forward and backward products in bf16 with ``in_bf16``; the weights and Adam's state stay float32). Across ranks
     (``collective``) the mini-batches are drawn over the global rows, each rank adds the loss of the rows it holds,
     and the gradients are summed before each step: the steps one process would take."""
     device = mlp.W_out.device  # X and Y may wait in host memory: each mini-batch is gathered there and moved
@@ -70,7 +72,7 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
     params = [p for group in opt.param_groups for p in group["params"]]
     for idx in batches:
         x, y = (T.index_select(0, idx).to(device, non_blocking=True) for T in (X, Y))  # faster than ``T[idx]``
-        with products(low, device):
+        with products(in_bf16, device):
             if parallel:  # this rank's share of the mini-batch's mean: the ranks' shares sum to it
                 loss = torch.nn.functional.mse_loss(mlp(x.float()).float(), y.float(), reduction="sum") / \
                     (min(batch_tokens, N) * Y.shape[1])
@@ -80,18 +82,6 @@ def adam_steps_on(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, opt: torch.optim.O
         loss.backward()
         grads_sum_(params)
         opt.step()
-
-
-def subsample(X: torch.Tensor, Y: torch.Tensor | None, tokens: int,
-              seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A fixed uniform sample of ``tokens`` of the calibration tokens (in their order), or all of them
-    when ``tokens`` is 0 or at least N: the data of the update's intermediate rounds (``Y`` may be None)."""
-    start, N = span(X.shape[0])  # across ranks: one sample of the global rows, each rank keeps the ones it holds
-    if tokens == 0 or tokens >= N:
-        return X, Y
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    idx = local_rows(torch.sort(torch.randperm(N, generator=gen)[:tokens]).values, start, X.shape[0]).to(X.device)
-    return X.index_select(0, idx), None if Y is None else Y.index_select(0, idx)
 
 
 def rounds_sample(X: torch.Tensor, Y: torch.Tensor, YY: float, tokens: int, seed: int, chunk: int,
@@ -156,14 +146,14 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
     ``resample`` each round's closed form draws a fresh sample (the rounds together see many more tokens,
     so the output projection does not overfit one sample), and the rounds are ranked by the error of a
     forward pass on the first sample, or on ``rank_tokens`` of its tokens (0: all of them). With ``refit_bf16`` that
-    final refit's products are bf16 too (``linalg.gram``'s ``low``: ``Z Zᵀ`` stays a float32 product of the rounded
+    final refit's products are bf16 too (``linalg.gram``'s ``in_bf16``: ``Z Zᵀ`` stays a float32 product of the rounded
     ``Z``, summed at the method's precision). Returns the MLP and
     the relative calibration errors of the start, of every round (on the rounds' data) and of the result.
     """
     n, device = mlp.width, mlp.W_out.device
     r = rounds
     iters, adam_steps, batch_tokens, damp, chunk, seed = r.iters, r.adam_steps, r.batch_tokens, r.damp, r.chunk, r.seed
-    sketch_tokens, low, resample, rank_tokens = r.sketch_tokens, r.bf16, r.resample, r.rank_tokens
+    sketch_tokens, in_bf16, resample, rank_tokens = r.sketch_tokens, r.bf16, r.resample, r.rank_tokens
     sampled = 0 < sketch_tokens < total(X.shape[0])
     resampled = resample and sampled
     # the rounds' one sample, or (resampled) the sample that ranks them
@@ -173,11 +163,11 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
     W_in, opt = adam(mlp.W_in, mlp.b_in, r.lr, r.lr_scale)
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float | None, low: bool) -> float:
+    def closed_form(m: MLP, X: torch.Tensor, Y: torch.Tensor, YY: float | None, in_bf16: bool) -> float:
         """(2) the output projection on the new Z̃: W = Y Z̃ᵀ (Z̃ Z̃ᵀ + δI)⁻¹; its error relative to ``YY`` (NaN
         when ``YY`` is None: not needed)."""
         with torch.no_grad():
-            H, YZ = gram(m, X, chunk, Y, dtype=dtype, low=low)
+            H, YZ = gram(m, X, chunk, Y, dtype=dtype, in_bf16=in_bf16)
             W = ridge(YZ, H, damping(H, n, damp))
             m.set_out_augmented(W)
             return float("nan") if YY is None else reconstruction_error(W, H, YZ, YY) / YY
@@ -186,12 +176,12 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
 
     def one_round(m: MLP) -> float:
         # (1) the input projections: Adam on ‖Y − W σ(W_in X)‖² with the output projection W fixed
-        adam_steps_on(m, X, Y, opt, gen, adam_steps, batch_tokens, low)
+        adam_steps_on(m, X, Y, opt, gen, adam_steps, batch_tokens, in_bf16)
         if not resampled:
-            return closed_form(m, Xr, Yr, YYr, low)
+            return closed_form(m, Xr, Yr, YYr, in_bf16)
         Xs, Ys = subsample(X, Y, sketch_tokens, seed + next(draws))
-        closed_form(m, Xs, Ys, None, low)
-        with products(low, device):
+        closed_form(m, Xs, Ys, None, in_bf16)
+        with products(in_bf16, device):
             return calibration_error(m, Xr, Yr, chunk) / YYr
 
     def final_refit(m: MLP) -> float:
@@ -204,7 +194,7 @@ def alternating_update(mlp: MLP, X: torch.Tensor, Y: torch.Tensor, rounds: Round
         return closed_form(m, X, Y, YY, r.refit_bf16)
 
     with trainable(W_in):
-        return best_round(mlp, iters, one_round, start_error=start_error, exact=not sampled and not low,
+        return best_round(mlp, iters, one_round, start_error=start_error, exact=not sampled and not in_bf16,
                           full_error=final_refit)
 
 
@@ -254,5 +244,61 @@ def _gradient_rounds(mlp: MLP, problem, rounds: Rounds, start_error: Callable[[]
     return gradient_update(mlp, problem.X, problem.Y, rounds, YY=problem.YY)
 
 
-UPDATES.register(Update("alternating", frozenset({"refit", "rounds", "closed_form"}), rounds=_alternating_rounds))
-UPDATES.register(Update("gd", frozenset({"refit", "rounds"}), rounds=_gradient_rounds))
+
+
+@dataclass
+class RoundSettings:
+    """§3.3's round settings (``alternating.Rounds``): what a composition whose update runs rounds carries."""
+
+    am_iters: int = hp(10, ge=0)  # alternating-minimisation rounds (paper: 20; why 10: docs/parameters.md)
+    adam_steps: int = hp(10, ge=1)  # Adam steps on the input projections per round
+    # Adam step in units of each tensor's RMS: best on Qwen2.5-Coder-0.5B at 128 x 512 and on SmolLM2 at 32 x 512;
+    # SmolLM2 at 128 x 512 prefers 1e-2, which configs/offline.yaml sets (docs/parameters.md: lr)
+    lr: float = hp(5e-3, gt=0)
+    lr_scale: str = hp("rms", choices=("rms", "absolute"))  # "absolute": lr is the plain Adam rate
+    batch_tokens: int = hp(2048, ge=1)  # tokens per Adam step
+    # Cheap update rounds (docs/method/update-cost.md: Cost of the update): each round's closed form and error on a
+    # fixed sample of this many tokens (0: all), the best round refitted once on every token at ``precision``
+    sketch_tokens: int = hp(16384, ge=0)
+    # the rounds' products (Adam steps, the sampled Gram passes): "bf16" inputs with float32 sums, or "full"
+    # (``precision``'s); sketch_tokens=0 with "full" is the paper's update
+    update_precision: str = hp("bf16", choices=("bf16", "full"))
+    # a fresh token sample for each round's closed form, the rounds ranked by a forward pass on the first
+    # sample: one fixed sample let the rounds overfit it (docs/method/update-cost.md: Cost of the update)
+    sketch_resample: bool = True
+    # tokens of that first sample, which ranks the resampled rounds (0: ``sketch_tokens``): a ranking needs fewer
+    # tokens than a fit (docs/method/update-cost.md: the per-layer cost)
+    rank_tokens: int = hp(0, ge=0)
+    # the products of that final refit on every token: "full" (``precision``'s) or "bf16" (``Z`` and ``Y Zᵀ`` from
+    # bf16 inputs, ``Z Zᵀ`` a float32 product of the rounded ``Z``, as in the rounds); not a default: it priced
+    # a layer whose output energy sits in a few tokens wrongly (docs/method/update-cost.md: the final refit in bf16)
+    refit_precision: str = hp("full", choices=("full", "bf16"))
+
+    def rounds(self, problem: LayerProblem) -> Rounds:
+        """§3.3's round settings for this layer (its own seed), from the method's fields."""
+        return Rounds(iters=self.am_iters, adam_steps=self.adam_steps, lr=self.lr, batch_tokens=self.batch_tokens,
+                      damp=self.damp, chunk=problem.chunk, seed=problem.seed + problem.layer_index,
+                      lr_scale=self.lr_scale, sketch_tokens=self.sketch_tokens, bf16=self.update_precision == "bf16",
+                      resample=self.sketch_resample, rank_tokens=self.rank_tokens,
+                      refit_bf16=self.refit_precision == "bf16")
+
+    def inert(self) -> set[str]:
+        """The round settings that the others make inert: all but ``am_iters`` without rounds; resampling
+        without a token sample or without a closed form to resample for (``gd``); the ranking sample with one fixed
+        sample (it ranks the rounds it fits); the final refit's precision where no refit follows the rounds."""
+        closed_form = "closed_form" in UPDATES[self.update].needs
+        if self.am_iters == 0:
+            return {f.name for f in fields(RoundSettings)} - {"am_iters"}
+        inert = set()
+        if self.sketch_tokens == 0 or not closed_form:
+            inert |= {"sketch_resample", "rank_tokens"}
+        elif not self.sketch_resample:
+            inert.add("rank_tokens")
+        if not closed_form or (self.sketch_tokens == 0 and self.update_precision == "full"):
+            inert.add("refit_precision")  # no closed-form refit after the rounds (gd), or exact rounds need none
+        return inert
+
+
+UPDATES.register(Update("alternating", frozenset({"refit", "rounds", "closed_form"}), settings=RoundSettings,
+                        rounds=_alternating_rounds))
+UPDATES.register(Update("gd", frozenset({"refit", "rounds"}), settings=RoundSettings, rounds=_gradient_rounds))

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from spap_lib.methods.parts.selection import column_scores
+from spap_lib.checks import hp
+from spap_lib.methods.parts.selection import SELECTIONS, Selection, column_scores
+from spap_lib.model.adapters import MLP
 from spap_lib.numerics.linalg import mean_diag
-from spap_lib.numerics.solve import lstsq_columns, ridge
+from spap_lib.numerics.solve import lstsq_columns, ridge, with_bias
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,35 @@ def penalty_method(W0: torch.Tensor, H: torch.Tensor, lam: int, p: Penalty, *,
     return keep, W_keep, info
 
 
-def with_bias(keep: torch.Tensor, n: int, bias: bool) -> torch.Tensor:
-    """The columns of ``W̃ = [W, b]`` that the kept channels ``keep`` use: the bias column ``n`` too, if any."""
-    return torch.cat([keep, keep.new_tensor([n])]) if bias else keep
+@dataclass
+class PenaltySettings:
+    """Alg. 1's settings (``penalty.Penalty``): what a composition that selects with the penalty method carries."""
+
+    # Defaults chosen on SmolLM2-135M by held-out MLP reconstruction error (docs/parameters.md: SPAP
+    # hyperparameters, how each was chosen). The penalty-loop settings barely moved it; lr and rounds did.
+    t: float = hp(0.5, ge=0, le=1)  # score mix t‖W_j‖² + (1−t)‖W_j‖₁‖Z_j‖₂ (docs/parameters.md)
+    # the score's two terms as they are ("none", the paper) or each divided by its mean over the layer ("layer")
+    score_scale: str = hp("none", choices=("none", "layer"))
+    alpha: float = hp(0.5, ge=0, lt=1)  # soft mask update s ← αs + (1−α)s_new (α = 1 would never move s)
+    rho0: float = hp(1e-2, gt=0)  # initial penalty, in units of mean(diag(Z Zᵀ))
+    tau: float = hp(1.5, ge=1)  # penalty growth ρ ← τρ
+    K: int = hp(20, ge=1)  # penalty iterations; ρ grows by τᴷ (docs/parameters.md: how each was chosen)
+    # End the loop once s_new has marked the same channels at this many consecutive s-steps (0: all K, the paper).
+    # 3 kept every measured layer's channels in fewer solves (docs/method/update-cost.md: patience)
+    patience: int = hp(0, ge=0)
+    # s-step rule: "top" = the λ lowest scores; "previous" = Alg. 1 as printed (below Top_{n−λ} of the
+    # previous iteration's scores)
+    threshold: str = hp("top", choices=("top", "previous"))
+
+    def penalty(self, dense: MLP, H: torch.Tensor, n_remove: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Alg. 1 with these settings on the dense MLP's Gram matrix ``H`` (``penalty_method``)."""
+        settings = Penalty(rho0=self.rho0, tau=self.tau, t=self.t, alpha=self.alpha, K=self.K, damp=self.damp,
+                           threshold=self.threshold, scale_free=self.score_scale == "layer", patience=self.patience)
+        return penalty_method(dense.out_augmented(), H, n_remove, settings, bias=dense.b_out is not None)
+
+
+# The selection: Alg. 1 on the layer's Gram matrix; for an allocation, its first s-step's score on dense statistics.
+SELECTIONS.register(Selection(
+    "penalty", frozenset({"solves"}), settings=PenaltySettings,
+    score=lambda m, mlp, stats: column_scores(mlp.W_out.double(), stats.norm, m.t, m.score_scale == "layer"),
+    choose=lambda m, problem: m.penalty(problem.dense, problem.H, problem.n_remove)))

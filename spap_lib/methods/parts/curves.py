@@ -1,27 +1,22 @@
 """One layer's error curve, for the error allocation: the relative reconstruction error once ``r`` channels are
 removed, at a few ``r``, from one Gram pass and one factorisation (``nested_lstsq_errors``).
 
-Beside the algorithm rather than in it: ``algorithm.Composition.error_curve`` calls this.
+``composition.Composition.error_curve`` calls this with itself as ``m``: its selection's score, refit and curve
+settings.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from spap_lib.methods.spap.alternating import subsample
-from spap_lib.methods.spap.penalty import with_bias
+from spap_lib.methods.base import Method
 from spap_lib.model.adapters import MLP
-from spap_lib.numerics.collective import total
+from spap_lib.numerics.collective import subsample, total
 from spap_lib.numerics.linalg import PRECISIONS, check_finite, gram, matmul_precision, mean_diag, resolve_precision
-from spap_lib.numerics.solve import nested_lstsq_errors, reconstruction_error
+from spap_lib.numerics.solve import nested_lstsq_errors, reconstruction_error, with_bias
 from spap_lib.numerics.stats import ChannelStats
 
-if TYPE_CHECKING:  # the method's fields are read, nothing is imported from it
-    from spap_lib.methods.spap.algorithm import Composition
 
-
-def error_curve(m: Composition, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
+def error_curve(m: Method, mlp: MLP, X: torch.Tensor, chunk: int, residual: torch.Tensor | None = None,
                 stats: ChannelStats | None = None) -> tuple[ChannelStats, list[tuple[int, float]]]:
     """The dense layer's channel statistics and its curve ``(r, e)``: the relative reconstruction error ``e`` once
     ``r`` channels are removed, at ``curve_points(n)``, on ``error_tokens`` of its inputs ``X`` (``error_weight``:
