@@ -38,7 +38,7 @@ def test_the_dry_run_writes_every_step_and_prints_the_summary_last(dry):
     assert layers["host peak GB"].gt(0).all() and "outside band" in layers
     assert any(layers.filter(like="s: ").sum() > 0)  # the stages were timed
     decode = pd.read_csv(out / "decode.csv")
-    assert list(decode["variant"]) == ["dense", "10%", "20%", "30%"]
+    assert list(decode["variant"]) == ["dense", "20%"]  # the full run: 10%, 20% and 30%
     assert decode["bytes_bound"].iloc[1:].gt(1).all() and decode["tokens_per_s"].gt(0).all()
 
 

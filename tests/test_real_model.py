@@ -184,20 +184,25 @@ def test_the_other_offline_models_tokenize_as_llama_cpp(name, monkeypatch):
     or from the GGUF's conversion (``model.converted``), to its digest."""
     import hashlib
     import json
+    import tempfile
     from pathlib import Path
 
     from conftest import offline_model
 
     from spap_lib.keys import file_digest, tokenizer_digest
+    from spap_lib.model import converted
     from spap_lib.model.loading import load_tokenizer
 
     want = json.loads((Path(__file__).parent / "data" / "llamacpp_tokens.json").read_text())["models"][name]
     source = offline_model(name)
     if file_digest(Path(source.path) / source.gguf_file) != want["gguf_sha256"]:
         pytest.skip(f"{name}'s installed GGUF is not the one tests/data/llamacpp_tokens.json was made from")
-    tokenizer = load_tokenizer(source)  # as sl.load builds it, without the weights
-    with monkeypatch.context() as m:
-        m.setenv("SPAP_CACHE_DIR", "off")
+    with monkeypatch.context() as m:  # as sl.load builds it, without the weights, from the GGUF itself
+        m.setattr(converted, "folder", lambda gguf: None)
+        tokenizer = load_tokenizer(source)
+    with tempfile.TemporaryDirectory() as tmp, monkeypatch.context() as m:  # and from the GGUF's conversion
+        tokenizer.save_pretrained(tmp)  # what ``converted.convert`` stores
+        m.setattr(converted, "folder", lambda gguf: Path(tmp))
         assert tokenizer_digest(load_tokenizer(source)) == tokenizer_digest(tokenizer)
     ids = tokenizer(sl.wikitext("test").text, add_special_tokens=False).input_ids
     assert {"tokens": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()} == want["llama_cpp"]
