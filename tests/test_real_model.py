@@ -178,13 +178,12 @@ def test_a_saved_checkpoint_tokenizes_as_llama_cpp_and_the_model_do(tmp_path, ol
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
-def test_the_other_offline_models_tokenize_as_llama_cpp(name, monkeypatch):
+def test_the_other_offline_models_tokenize_as_llama_cpp(name, monkeypatch, tmp_path):
     """The other offline models' GGUFs load with llama.cpp's ids of the whole WikiText-2 test text
     (tests/data/llamacpp_tokens.json), where they are installed; each has one tokenizer, whether read from its GGUF
     or from the GGUF's conversion (``model.converted``), to its digest."""
     import hashlib
     import json
-    import tempfile
     from pathlib import Path
 
     from conftest import offline_model
@@ -200,9 +199,9 @@ def test_the_other_offline_models_tokenize_as_llama_cpp(name, monkeypatch):
     with monkeypatch.context() as m:  # as sl.load builds it, without the weights, from the GGUF itself
         m.setattr(converted, "folder", lambda gguf: None)
         tokenizer = load_tokenizer(source)
-    with tempfile.TemporaryDirectory() as tmp, monkeypatch.context() as m:  # and from the GGUF's conversion
-        tokenizer.save_pretrained(tmp)  # what ``converted.convert`` stores
-        m.setattr(converted, "folder", lambda gguf: Path(tmp))
+    with monkeypatch.context() as m:  # and from the GGUF's conversion
+        tokenizer.save_pretrained(tmp_path)  # what ``converted.convert`` stores
+        m.setattr(converted, "folder", lambda gguf: tmp_path)
         assert tokenizer_digest(load_tokenizer(source)) == tokenizer_digest(tokenizer)
     ids = tokenizer(sl.wikitext("test").text, add_special_tokens=False).input_ids
     assert {"tokens": len(ids), "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()} == want["llama_cpp"]
