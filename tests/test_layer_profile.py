@@ -23,19 +23,16 @@ def profiled(tmp_path_factory):
     return pd.read_csv(out).set_index(["method", "stage"]), out.with_suffix(".md").read_text()
 
 
-def test_nested_stages_are_charged_exclusively_and_add_up_to_the_layer(profiled):
+def test_nested_stages_are_charged_exclusively(profiled):
     frame, _ = profiled
     spap = frame.loc["spap/K=3,am_iters=2,adam_steps=2"]
     # the rounds hold the Adam steps, and the final refit (a callable handed to them) holds a Gram pass
     assert {"rounds", "rounds › Adam steps", "rounds › final refit on every token › Gram pass (Z Zᵀ, Y Zᵀ)",
             "penalty loop (Alg. 1) › solves"} <= set(spap.index)
-    # charged twice, an outer stage's own time would exceed what is left of the layer: "other" would go negative
-    assert (frame["seconds"] >= 0).all()
-    for method in frame.index.get_level_values(0).unique():
-        rows = frame.loc[method]
-        parts = rows.drop(index="total")
-        assert parts["seconds"].sum() == pytest.approx(rows.loc["total", "seconds"], rel=1e-9)
-        assert parts["gflop"].sum() == pytest.approx(rows.loc["total", "gflop"], rel=1e-9)
+    # charged twice, a stage's time and FLOPs would exceed what is left of the layer: "other" would go negative
+    assert (frame["seconds"] >= 0).all() and (frame["gflop"] >= 0).all()
+    # the rounds keep their own FLOPs only (bookkeeping), not their Adam steps' and Gram passes'
+    assert spap.loc["rounds", "gflop"] < spap.loc["rounds › Adam steps", "gflop"]
 
 
 def test_the_closed_forms_factorisations_are_counted(profiled):
