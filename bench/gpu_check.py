@@ -11,7 +11,9 @@ On one GPU, in this order (each step's rows are written as they finish; a second
    Seconds by stage, device and host peaks, and the plan's prediction beside each, marked where the time is
    outside +-30 % or the device memory outside +-10 % of it;
 3. the decode profile (``05_profile``'s path: static cache and compiled step on CUDA) of 8B shapes, dense
-   against 10/20/30 % sparsity, with the bytes bound beside each.
+   against 10/20/30 % sparsity, with the bytes bound beside each;
+4. a heal (``spap_lib.heal``) of Qwen2.5-0.5B's shapes pruned by 20 %, from the dense model, on random tokens:
+   tokens per second and the device peak beside the plan's.
 
 Writes CSV files and ``summary.md`` (device, torch, CUDA, revision) into ``--out`` and prints the summary last.
 
@@ -46,8 +48,8 @@ GB = 2**30
 TIME_BAND, MEMORY_BAND = 0.30, 0.10  # a measured row further than this from the plan is marked
 # Seconds the plan does not price, for the wall-time estimate (docs/scale.md): a process's imports and CUDA start,
 # a one-layer checkpoint's load, a decode variant's load and compile, ``pytest -m gpu``, and the first build of the
-# random checkpoints (kept in bench/.cache: a second call reuses them).
-PROCESS_S, DECODE_VARIANT_S, PYTEST_S, BUILD_S = 20, 45, 60, 60
+# random checkpoints (kept in bench/.cache: a second call reuses them), and the heal step's two loads and its steps.
+PROCESS_S, DECODE_VARIANT_S, PYTEST_S, BUILD_S, HEAL_S = 20, 45, 60, 60, 90
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,34 @@ def decode_rows(sizes: Sizes, dry: bool) -> list[dict]:
     return table.to_dict("records")
 
 
+def heal_rows(sizes: Sizes, dry: bool) -> list[dict]:
+    """A heal of Qwen2.5-0.5B's shapes (``--dry``: tiny, two layers) pruned by 20 % (magnitude: which channels go
+    does not change the time), from its dense model, on random windows: its time and peak beside the plan's."""
+    from spap_lib.heal import HealWindows
+    from spap_lib.heal import distill as kd
+    from spap_lib.settings import HealConfig
+
+    device = pick_device("auto")
+    layers = 2 if dry else 24
+    path = checkpoint("qwen2.5-0.5b", layers, device, dry)
+    cfg = HealConfig(tokens=4 * 128 if dry else 64 * 4 * 512, seqlen=128 if dry else 512, batch=4)
+    p = plan(str(path), method="magnitude", nsamples=1, seqlen=2, eval_seqlen=2, eval_windows=1,
+             device=local_device(device)[0], offload="none", heal=cfg)
+    student, teacher = (sl.load(str(path), device=str(device)) for _ in range(2))
+    sl.prune(student, random_calibration(student.model.config.vocab_size, 2, 16, seed=0), "magnitude", 0.2,
+             progress=False)
+    vocab = student.model.config.vocab_size
+    windows = HealWindows(torch.randint(0, vocab, (64, cfg.seqlen), generator=torch.Generator().manual_seed(0)),
+                          "random tokens", "random", 0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    report = kd.distill(student, teacher.model.requires_grad_(False), windows, cfg, progress=False)
+    peak = torch.cuda.max_memory_allocated(device) / GB if device.type == "cuda" else float("nan")
+    return [{"name": f"heal qwen0.5b shapes, {layers} layers", "tokens": report["tokens"],
+             "seconds": report["seconds"], "tokens_per_s": report["tokens_per_s"], "precision": report["precision"],
+             "plan seconds": p.seconds["healing"], "device peak GB": peak, "plan heal GB": sum(p.heal_gb.values())}]
+
+
 def pytest_rows() -> list[dict]:
     t0 = time.perf_counter()
     # the tests that need CUDA live in tests/test_gpu.py: collecting only it keeps the dry run short
@@ -192,7 +222,7 @@ def estimate(sizes: Sizes, device_row: str) -> float:
     prune = sum(plan(c.alias, method=c.method, nsamples=sizes.nsamples, seqlen=sizes.seqlen, device=device_row,
                      device_memory_gb=c.cap_gb, offload=c.offload).prune_seconds
                 / shipped_config(c.alias).num_hidden_layers for c in CASES)
-    return PYTEST_S + BUILD_S + prune + PROCESS_S * len(CASES) + DECODE_VARIANT_S * 4
+    return PYTEST_S + BUILD_S + prune + PROCESS_S * len(CASES) + DECODE_VARIANT_S * 4 + HEAL_S
 
 
 def _child_case(case: Case, dry: bool) -> dict:
@@ -227,6 +257,8 @@ def run_steps(out: Path, dry: bool, argv: list[str]) -> None:
               flush=True)
     if not _done(out / "decode.csv", "variant"):
         _append(out / "decode.csv", decode_rows(sizes, dry))
+    if not _done(out / "heal.csv", "name"):
+        _append(out / "heal.csv", heal_rows(sizes, dry))
     write_text_atomic(out / "summary.md", summary(out, sizes, dry, argv))
     print((out / "summary.md").read_text())
 
@@ -234,7 +266,7 @@ def run_steps(out: Path, dry: bool, argv: list[str]) -> None:
 def summary(out: Path, sizes: Sizes, dry: bool, argv: list[str]) -> str:
     device = pick_device("auto")
     now = {name: pd.read_csv(out / f"{name}.csv").query("revision == @_revision()")
-           for name in ("pytest", "layers", "decode")}
+           for name in ("pytest", "layers", "decode", "heal")}
     shown = ["name", "seconds", "plan seconds", "device peak GB", "plan device GB", "host peak GB", "plan host GB",
              "outside band"]
     decode = ["variant", "sparsity", "decode", "decode_ms_per_token", "tokens_per_s", "speedup", "bytes_bound",
@@ -247,7 +279,8 @@ def summary(out: Path, sizes: Sizes, dry: bool, argv: list[str]) -> str:
             f"`pytest -m gpu`: {now['pytest'].iloc[-1]['result']}\n\n## One decoder layer\n\n"
             f"{markdown_table(now['layers'][shown].round(3), index=False)}\n\n"
             f"## Decode ({sizes.decode_layers} layers of LLaMA-3.1-8B's shapes, {sizes.new_tokens} new tokens)\n\n"
-            f"{markdown_table(now['decode'][[c for c in decode if c in now['decode']]].round(3), index=False)}\n")
+            f"{markdown_table(now['decode'][[c for c in decode if c in now['decode']]].round(3), index=False)}\n\n"
+            f"## Healing\n\n{markdown_table(now['heal'].drop(columns='revision').round(3), index=False)}\n")
 
 
 def main(argv=None) -> None:

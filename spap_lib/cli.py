@@ -2,6 +2,7 @@
 
     spap prune MODEL --sparsity 0.2 --method spap --out DIR [--nsamples --seqlen --offload --device --seed]
     spap plan MODEL [--device h100 --nsamples 128 --seqlen 2048 --offload auto]
+    spap heal CHECKPOINT --teacher MODEL --out DIR [--heal-tokens 262144 --heal-data FILE --heal '{"lr": 2e-4}']
     spap eval CHECKPOINT [--eval-seqlen 2048 --eval-windows N]
 
 Defaults are the paper's settings (128 × 2048 calibration tokens, perplexity on the whole WikiText-2
@@ -21,8 +22,10 @@ from spap_lib.settings import RunConfig, add_options, options
 
 # The options that ``RunConfig`` declares, per command: their types, help and defaults come from there.
 PRUNE = ("method", "sparsity", "nsamples", "seqlen", "seed", "hparams", "round_to", "save_dtype", "device", "offload",
-         "eval_seqlen", "eval_windows")
-PLAN = ("method", "sparsity", "nsamples", "seqlen", "offload", "round_to", "eval_seqlen", "eval_windows")
+         "eval_seqlen", "eval_windows", "heal_tokens", "heal_data", "heal")
+PLAN = ("method", "sparsity", "nsamples", "seqlen", "offload", "round_to", "eval_seqlen", "eval_windows",
+        "heal_tokens", "heal_data", "heal")
+HEAL = ("heal_tokens", "heal_data", "heal", "save_dtype", "device", "eval_seqlen", "eval_windows")
 EVAL = ("device", "offload", "eval_seqlen", "eval_windows")
 
 
@@ -62,6 +65,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--link", choices=("nvlink", "ethernet"), default=None, help="the ranks' link, whose rate prices "
                    "the all-reduce in the plan's time (default: nvlink for a GPU, ethernet for a CPU)")
 
+    p = sub.add_parser("heal", help="distil a pruned checkpoint from its dense model and save the healed one")
+    p.add_argument("model", metavar="checkpoint", type=_path, help="a spap checkpoint (the folder a prune wrote)")
+    p.add_argument("--teacher", required=True, help="the dense model it was pruned from: alias, hub id, local "
+                   "checkpoint dir or .gguf file")
+    p.add_argument("--out", required=True, type=_path, help="the healed checkpoint's directory")
+    add_options(p, HEAL, heal_tokens=262144)
+    p.add_argument("--overwrite", action="store_true", help="replace a previous spap checkpoint at --out")
+    p.add_argument("--no-eval", action="store_true", help="skip the healed perplexity")
+    p.add_argument("--resume-dir", default=None, type=_path, help="save the heal's state here every few "
+                   "minutes; rerunning the same command resumes from it")
+
     p = sub.add_parser("eval", help="WikiText-2 perplexity of a model or checkpoint")
     p.add_argument("model", help="a spap checkpoint, alias, hub id, local dir or .gguf file")
     add_options(p, EVAL)
@@ -86,7 +100,18 @@ def _prune(a) -> dict | None:
     run.load()
     run.calibrate()
     run.prune()
+    run.heal()
     return run.save(command(a.argv, w.size))
+
+
+def _heal(a) -> dict:
+    """``spap heal``: ``run.HealRun``'s steps."""
+    from spap_lib.artifact.card import command
+    from spap_lib.run import HealRun
+
+    settings = RunConfig(a.model, **options(HEAL, a), evaluate=not a.no_eval)
+    return HealRun(settings, a.teacher, Path(a.out), overwrite=a.overwrite, resume_dir=a.resume_dir).run(
+        command(a.argv))
 
 
 def _plan(a) -> str:
@@ -119,7 +144,7 @@ def _plan(a) -> str:
     p = plan(a.model, method=a.method, sparsity=a.sparsity, nsamples=per_rank, seqlen=a.seqlen,
              eval_seqlen=a.eval_seqlen, eval_windows=a.eval_windows, device=device,
              device_memory_gb=a.device_memory_gb or memory, host_memory_gb=host, offload=a.offload,
-             round_to=a.round_to, config=config)
+             round_to=a.round_to, config=config, heal=_heal_of(a))
     shapes = layer_shapes(config, a.sparsity, a.round_to)
     widths = _width_lines(method, a.round_to, shapes)
     if a.world_size == 1:
@@ -131,6 +156,14 @@ def _plan(a) -> str:
     link = a.link or ("ethernet" if p.device.startswith("cpu") else "nvlink")
     p.seconds[f"all-reduce, {LINKS[link][0]}"] = allreduce_seconds(method, shapes, a.world_size, link)
     return "\n".join([head, p.table(), *widths, *allreduce_lines(method, shapes, a.world_size)])
+
+
+def _heal_of(a):
+    """The plan's heal: ``--heal-tokens`` and its options (None without a budget)."""
+    from spap_lib.settings import HealConfig
+
+    heal = HealConfig.of(RunConfig(a.model, heal_tokens=a.heal_tokens, heal_data=a.heal_data, heal=a.heal))
+    return heal if heal.tokens else None
 
 
 def _width_lines(method, round_to: int | None, shapes: dict) -> list[str]:
@@ -183,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             elif a.command == "plan":
                 print(_plan(a))
                 return 0
+            elif a.command == "heal":
+                out = _heal(a)
             else:
                 out = _eval(a)
     except (SpapError, OSError) as err:  # a refusal or an I/O error of a source or output: one line, exit 2

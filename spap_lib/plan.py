@@ -24,6 +24,10 @@ bytes, ``N = nsamples·seqlen`` calibration tokens, ``d`` hidden size, ``n`` MLP
   in float32, ``256·V·8`` (offloaded: with the embeddings and head on the device, and the logits of one span of
   256 positions at a time, ``256·V·b``: ``capture.streamed_logits``).
 
+Healing after the prune (``heal``, ``pricing.price_heal``): its own peak, the whole model on the device (offload
+``none``, the only mode that fits a heal): the pruned weights, ``12`` bytes of gradient and AdamW moments per learning
+weight, the dense teacher, one batch's activations and both models' logits with the float32 KL term.
+
 Host memory: the whole model (``none`` on a GPU: ``from_pretrained`` reads it there first; ``cpu``)
 plus the hidden states between layers (calibration or evaluation, whichever is larger), ``X``/``Y`` where
 they stream and ``Method.host_set``; or
@@ -58,17 +62,20 @@ from spap_lib.pipeline.sparsity import channels_removed
 from spap_lib.pricing import (
     BATCH,
     GB,
+    HEALING,
     PERPLEXITY,
+    RUNTIME_BYTES,
     SAVE_CHECKS,
     THROUGHPUT,
     Job,
     Limits,
     layout,
+    price_heal,
     price_memory,
     price_seconds,
     working_share,
 )
-from spap_lib.settings import PAPER, spec  # the paper's settings, the defaults of a prune
+from spap_lib.settings import PAPER, HealConfig, spec  # the paper's settings, the defaults of a prune
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = json.loads((HERE / "model_configs.json").read_text())
@@ -111,6 +118,7 @@ class Plan:
     least_device_gb: float | None = None  # the least device memory any offload mode needs (offload "auto")
     layers: int = 0  # decoder layers: ``seconds`` / ``layers`` is a layer's time
     method_stages: tuple[str, ...] = ()  # the stages of ``seconds`` the method declares (``Method.cost``)
+    heal_gb: dict[str, float] = field(default_factory=dict)  # a heal's peak, by part (after the prune's)
 
     @property
     def total_seconds(self) -> float:
@@ -119,7 +127,7 @@ class Plan:
     @property
     def prune_seconds(self) -> float:
         """The prune's own time: every stage but the perplexities and the save checks after it."""
-        return sum(v for k, v in self.seconds.items() if k not in (PERPLEXITY, SAVE_CHECKS))
+        return sum(v for k, v in self.seconds.items() if k not in (PERPLEXITY, SAVE_CHECKS, HEALING))
 
     @property
     def prune_working_gb(self) -> float:
@@ -150,6 +158,10 @@ class Plan:
         rows += [f"    {k:<{w}} {v:8.2f} GB" for k, v in self.memory_gb.items()]
         if BATCH in self.memory_gb:
             rows.append(f"    ({BATCH} and the method's parts take turns: the larger counts)")
+        if self.heal_gb:
+            rows.append(f"  healing after the prune {sum(self.heal_gb.values()):.2f} GB (the model resident: "
+                        "offload none)")
+            rows += [f"    {k:<{w}} {v:8.2f} GB" for k, v in self.heal_gb.items()]
         rows.append(f"  time {_duration(self.total_seconds)}, the prune {_duration(self.prune_seconds)} "
                     f"(rates: {self.throughput_source})")
         rows += [f"    {k:<28} {_duration(v):>10}" for k, v in self.seconds.items()]
@@ -249,6 +261,7 @@ class PlanRequest:
     chunk: int = 8192
     round_to: int | None = None
     config: object = None
+    heal: HealConfig | None = None
 
     def __post_init__(self) -> None:  # a prune's settings take ``RunConfig``'s types and ranges
         check_values(*((name, getattr(self, name), spec(name)) for name in ("nsamples", "seqlen", "eval_seqlen",
@@ -277,7 +290,8 @@ def plan(model: str, **settings) -> Plan:
     algo.check_config(config)  # an architecture the method cannot prune is refused here too
     job = Job(algo=algo, c=_counts(config), sparsity=r.sparsity, N=r.nsamples * r.seqlen, seqlen=r.seqlen,
               eval_seqlen=r.eval_seqlen, eval_windows=r.eval_windows, device=device, dtype=r.dtype,
-              batch_size=r.batch_size, chunk=r.chunk, round_to=round_to)
+              batch_size=r.batch_size, chunk=r.chunk, round_to=round_to,
+              heal=r.heal if r.heal is not None and r.heal.tokens else None)
     limits = Limits(r.device_memory_gb or THROUGHPUT[device].get("memory_gb"), r.host_memory_gb, r.disk_free_gb)
     if offload != "auto":
         return _plan_one(model, offload, job, limits)
@@ -291,7 +305,12 @@ def _plan_one(model: str, offload: str, job: Job, limits: Limits) -> Plan:
     lay = layout(job, offload)
     memory, peak_device, peak_host, disk_need, checkpoint = price_memory(job, offload, lay)
     seconds, stages = price_seconds(job, offload, lay)
-    fits = offload in job.algo.offloads and \
+    heal = {}
+    if job.heal is not None:  # after the prune: its peak is its own, with the whole model on the device
+        seconds[HEALING], heal = price_heal(job, lay)
+        peak_device = max(peak_device, sum(heal.values()) + (0 if lay.gpu else RUNTIME_BYTES))
+        peak_host = peak_device if not lay.gpu else peak_host
+    fits = (job.heal is None or offload == "none") and offload in job.algo.offloads and \
            (limits.device_memory_gb is None or peak_device / GB <= limits.device_memory_gb) and \
            (limits.host_memory_gb is None or peak_host / GB <= limits.host_memory_gb) and \
            (limits.disk_free_gb is None or disk_need / GB <= limits.disk_free_gb)
@@ -299,4 +318,5 @@ def _plan_one(model: str, offload: str, job: Job, limits: Limits) -> Plan:
     return Plan(model, job.algo.name, job.device, offload, peak_device / GB, peak_host / GB, fits, seconds,
                 {k: v / GB for k, v in memory.items()}, limits.device_memory_gb, limits.host_memory_gb,
                 "; ".join(filter(None, (row["source"], row.get("fitted")))), disk_need / GB, limits.disk_free_gb,
-                checkpoint / GB, layers=job.c["layers"], method_stages=stages)
+                checkpoint / GB, layers=job.c["layers"], method_stages=stages,
+                heal_gb={k: v / GB for k, v in heal.items()})

@@ -16,12 +16,17 @@ from spap_lib.methods.cost_model import Shapes, pricing
 from spap_lib.numerics import bf16
 from spap_lib.numerics.linalg import chunk_for, resolve_precision
 from spap_lib.pipeline.sparsity import channels_removed
+from spap_lib.settings import HealConfig
 
 THROUGHPUT = json.loads((Path(__file__).resolve().parent / "throughput.json").read_text())
 WIKITEXT2_TEST_TOKENS = 290_000  # whole test split, Llama-3/Qwen tokenizers (approximate; GPT-2 BPE: 287k)
 GB = 1024**3
 BATCH = "one batch through a layer"  # the replay's, before and after a layer's solve: never beside the solver's
 PERPLEXITY, SAVE_CHECKS = "perplexity (dense + pruned)", "save and reload check"  # after the prune
+HEALING = "healing"
+# The share of the row's product rate a heal step reaches: the teacher's forward, the student's forward and backward,
+# attention and the KL term's float32 softmaxes included (docs/heal.md: Memory and time, measured on SmolLM2-135M)
+HEAL_ACHIEVED = 0.35
 
 
 def working_share(memory: dict[str, float]) -> float:
@@ -57,6 +62,7 @@ class Job:
     batch_size: int
     chunk: int
     round_to: int | None
+    heal: HealConfig | None = None  # a heal after the prune (``heal.tokens`` > 0)
 
 
 @dataclass(frozen=True)
@@ -230,3 +236,29 @@ def _transfers(job: Job, offload: str, lay: _Layout, passes: float, eval_tokens:
     return seconds
 
 
+
+
+def price_heal(job: Job, lay: _Layout) -> tuple[float, dict[str, float]]:
+    """A heal's seconds and its device bytes by part (``spap_lib.heal``: the whole pruned model on the device with
+    its gradients and AdamW's two moments for what learns, the dense teacher, one batch's activations, and the two
+    models' logits with the KL term's float32 log-probabilities)."""
+    h, c = job.heal, job.c
+    d, L, V, b = c["hidden"], c["layers"], c["vocab"], lay.b
+    removed = L * (c["width"] - lay.n_keep) * c["per_channel"]
+    student, head = c["total"] - removed, V * d
+    learns = {"all": student, "mlp": L * lay.n_keep * c["per_channel"],
+              "lora": h.lora_rank * L * (8 * d + 3 * (d + lay.n_keep))}[h.train]
+    tokens = h.steps * h.batch * h.seqlen
+    matmul = lambda params: params - c["total"] + c["decoder"] + head  # noqa: E731 - the embedding rows are looked up
+    attention = 4 * h.seqlen * d * L  # per token: scores and their weighted sum, one forward
+    flops = tokens * (2 * matmul(c["total"]) + 6 * matmul(student) + 4 * attention)
+    rates = THROUGHPUT[job.device]["flops_per_second"]
+    fast = h.precision == "bf16" or (h.precision == "auto" and (lay.gpu or not bf16.rounded("cpu")))
+    rate = rates["matmul_bf16" if fast else "matmul_fp32"] * HEAL_ACHIEVED
+    act = 2 if fast else 4
+    batch = h.batch * h.seqlen
+    memory = {"healing: the pruned model": student * b, "healing: gradients and AdamW state": learns * 12,
+              "healing: the dense teacher": c["total"] * b,
+              "healing: one batch's activations": batch * L * (17 * d + 3 * lay.n_keep) * act,
+              "healing: logits and the KL term": batch * V * (2 * act + 12)}
+    return flops / rate, memory

@@ -1,13 +1,15 @@
 """One prune, written once: the steps that ``spap prune`` and ``notebooks/02_prune.ipynb`` both take, in order.
 
 check (every setting, before any weight is read) → load → calibrate and measure the dense model → prune → round
-the weights to the saved dtype and measure the pruned model → save (installed only if it reloads to the same
+the weights to the saved dtype and measure the pruned model → heal (``heal_tokens``: distilled from the dense model,
+rounded and measured again) → save (installed only if it reloads to the same
 logits) → the result. ``spap prune`` adds the data-parallel ranks (each step agrees or waits where it must; one
 process skips both) and a resume folder; 02 adds its run folder's caches. A defect in this sequence now lives in
 one place.
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +20,7 @@ from spap_lib.model.dtypes import RunDtypes, pick_dtype, run_dtypes
 from spap_lib.model.loading import Loaded, pick_device
 from spap_lib.numerics.collective import barrier, world
 from spap_lib.pipeline import distributed
-from spap_lib.settings import RunConfig
+from spap_lib.settings import HealConfig, RunConfig
 from spap_lib.validate import RunCheck
 
 
@@ -43,11 +45,16 @@ class PruneRun:
         summary to print (what will run, the plan, the dtypes)."""
         s = self.settings
         evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
+        heal = HealConfig.of(s)
+        if heal.tokens:
+            from spap_lib.heal import heal_text
+
+            heal_text(heal.data)  # a missing file, or the test split, before anything else
         self.job = sl.check_run(
             s.model, method=s.method, sparsity=s.sparsity, hparams=s.hparams, nsamples=s.nsamples, seqlen=s.seqlen,
             seed=s.seed, round_to=s.round_to, propagate=s.propagate, device=s.device, out_dir=self.out_dir,
             run_dir=self.run_dir, overwrite=self.overwrite, offload=s.offload, spill_dir=self._spill(),
-            resume_dir=self.resume_dir, **evals)
+            resume_dir=self.resume_dir, heal=heal if heal.tokens else None, **evals)
         self.dtypes = run_dtypes(s.save_dtype, self.job.source, self.job.config,
                                  pick_dtype("auto", pick_device(s.device)))  # a CPU computes in float32
         return self.job.summary() + "\n" + self.dtypes.note()
@@ -86,6 +93,13 @@ class PruneRun:
                            plan=self.job.memory_time.as_dict() if self.job.memory_time else None)
         return self.report
 
+    def heal(self) -> dict | None:
+        """With ``heal_tokens``: the pruned model distilled from the dense one (``healed``)."""
+        if not self.settings.heal_tokens:
+            return None
+        return healed(self.loaded, self.settings.model, self.report, self.settings, self.resume_dir,
+                      self.dtypes.saved)
+
     def save(self, command: str) -> dict | None:
         """Install the checkpoint (rank 0, once every rank has finished its layers), free the model and the
         resume folder; the result as 02's ``prune_result.json`` holds it (None on the other ranks)."""
@@ -103,8 +117,9 @@ class PruneRun:
         if rank > 0:
             return None
         s = self.settings
+        heal = {"heal": _heal_summary(self.report["heal"])} if "heal" in self.report else {}
         return {**sl.prune_result(s.model, s.method, s.sparsity, self.out_dir, self.report),
-                "dtype": self.report["dtype"]}
+                "dtype": self.report["dtype"], **heal}
 
     def agreed(self) -> dict:
         """What every rank of a data-parallel prune must have been given alike."""
@@ -118,3 +133,84 @@ class PruneRun:
     def _spill(self) -> Path:
         """Where an offloaded model's spill folder goes: the run folder, else beside ``out_dir``."""
         return self.run_dir or Path(self.out_dir).expanduser().parent
+
+
+def healed(loaded: Loaded, teacher: str, report: dict, s: RunConfig, resume_dir: Path | None, saved) -> dict:
+    """The heal step of both runs: ``loaded`` distilled from ``teacher`` (``spap_lib.heal``), rounded to the saved
+    dtype and measured again, the perplexity before it kept in ``report`` as ``unhealed``; returns the heal's record
+    (``report["heal"]``)."""
+    from spap_lib.heal import heal
+
+    dense = sl.load(teacher, device=s.device)
+    report["heal"] = heal(loaded, dense, HealConfig.of(s), resume_dir=resume_dir, progress=world().rank == 0)
+    del dense
+    loaded.onloader.round_weights(saved)
+    ppl = report.get("perplexity") or {}
+    if s.evaluate:
+        ppl = {**ppl, "unhealed": ppl.get("pruned"), "pruned": sl.perplexity(
+            loaded.model, loaded.tokenizer, s.eval_seqlen, s.eval_windows, onloader=loaded.onloader)}
+    report["perplexity"] = ppl
+    return report["heal"]
+
+
+# What a checkpoint's manifest records about where and how it was written, rather than what was pruned: a healed copy
+# records its own.
+_WRITTEN = ("created", "git_revision", "versions", "host", "checks", "spap_checkpoint", "card", "command",
+            "evaluations", "model")
+
+
+@dataclass
+class HealRun:
+    """``spap heal CHECKPOINT --teacher SOURCE --out DIR``: a checkpoint pruned before, distilled from the dense
+    model it was pruned from, then saved with its prune's record and the heal's (the steps ``PruneRun.heal`` takes
+    after a prune). ``settings.model`` is the pruned checkpoint."""
+
+    settings: RunConfig
+    teacher: str
+    out_dir: Path
+    overwrite: bool = False
+    resume_dir: Path | None = None
+
+    def check(self) -> tuple[HealConfig, dict]:
+        """The heal's settings, its text, the checkpoint's record and the folders, before any weight is read."""
+        from spap_lib.artifact.manifest import PLAN, read_checkpoint_manifest
+        from spap_lib.errors import ParameterError
+        from spap_lib.heal import heal_text
+
+        s = self.settings
+        cfg = HealConfig.of(s)
+        if not cfg.tokens:
+            raise ParameterError("heal_tokens is 0: give the heal a budget, e.g. --heal-tokens 262144")
+        fields = read_checkpoint_manifest(s.model) if Path(s.model).is_dir() else None
+        if fields is None:
+            raise ParameterError(f"{s.model} is not a spap checkpoint (no spap_manifest.json): heal the folder a "
+                                 "prune wrote, or prune with --heal-tokens")
+        heal_text(cfg.data)
+        sl.resolve(self.teacher)
+        evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
+        sl.check_run(s.model, device=s.device, offload="none", out_dir=self.out_dir, overwrite=self.overwrite,
+                     **evals)
+        report = {k: v for k, v in fields.items() if k not in _WRITTEN}
+        plan = json.loads((Path(s.model) / PLAN).read_text())
+        report.update({k: v for k, v in plan.items() if k != "model"})
+        return cfg, report
+
+    def run(self, command: str) -> dict:
+        """Load both models, heal, round to the checkpoint's dtype, measure, save; the result as ``spap prune``'s."""
+        from spap_lib.heal import clear_state
+        from spap_lib.model.dtypes import saved_dtype
+
+        s = self.settings
+        _, report = self.check()
+        student = sl.load(s.model, device=s.device)
+        healed(student, self.teacher, report, s, self.resume_dir, saved_dtype(report) or student.model.dtype)
+        sl.save(student, report, self.out_dir, overwrite=self.overwrite, command=command, healed_from=s.model)
+        clear_state(self.resume_dir)
+        return {**sl.prune_result(s.model, report.get("method"), (report.get("sparsity") or {}).get("requested"),
+                                  self.out_dir, report), "heal": _heal_summary(report["heal"])}
+
+
+def _heal_summary(heal: dict) -> dict:
+    """The heal's lines of a run's printed result (its whole record is in the manifest)."""
+    return {k: heal[k] for k in ("tokens", "steps", "train", "lr", "precision", "seconds", "tokens_per_s")} | {
+        "loss": {k: heal["loss"][k] for k in ("first", "last")}, "data": heal["data"]["source"]}

@@ -47,6 +47,11 @@ class RunConfig:
     eval_seqlen: int = setting(2048, "perplexity window (the paper's: 2048)", ge=2)
     eval_windows: int | None = setting(None, "cap on test windows (default: the whole split)", ge=1)
     evaluate: bool = setting(True, "the dense and pruned perplexity", option=False)
+    heal_tokens: int = setting(0, "tokens of distillation from the dense model after the prune (0: none, the "
+                               "paper's; docs/heal.md)", ge=0)
+    heal_data: str | None = setting(None, "a UTF-8 text file to heal on (default: WikiText-2 train where the hub "
+                                    "or its cache has it, else validation; never the test split)")
+    heal: dict = setting(dict, "healing options over their defaults (HealConfig), as JSON: '{\"lr\": 1e-4}'")
 
     def replace(self, **changes) -> "RunConfig":
         return dataclasses.replace(self, **changes)
@@ -66,6 +71,53 @@ def spec(name: str, optional: bool = False):
     f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
     s = Spec.of(typing.get_type_hints(RunConfig)[name], **f.metadata["spec"])
     return dataclasses.replace(s, optional=True) if optional else s
+
+
+@dataclass(frozen=True)
+class HealConfig:
+    """How a pruned model is distilled from the dense one (``spap_lib.heal``): the KL divergence of the logits over
+    ``tokens`` tokens of ``data``, in windows of ``seqlen``, ``batch`` windows a step, AdamW with a linear warm-up
+    and a cosine decay. ``train``: every weight, the MLPs only, or LoRA adapters (``peft``) merged back into the
+    weights, so the checkpoint stays a stock one. Defaults: docs/heal.md."""
+
+    tokens: int = setting(0, "tokens to distil on; 0: no healing", ge=0)
+    data: str | None = setting(None, "a UTF-8 text file; default WikiText-2 train, else validation")
+    seqlen: int = setting(512, "tokens per window", ge=2)
+    batch: int = setting(1, "windows per optimizer step", ge=1)
+    lr: float = setting(1e-4, "AdamW's peak learning rate", gt=0, le=1)
+    warmup: float = setting(0.05, "share of the steps spent warming the learning rate up", ge=0, lt=1)
+    train: str = setting("all", "which weights learn: all, mlp, lora", choices=("all", "mlp", "lora"))
+    lora_rank: int = setting(16, "rank of the LoRA adapters (train lora)", ge=1)
+    temperature: float = setting(1.0, "softmax temperature of both models' logits in the KL term", gt=0)
+    hidden_weight: float = setting(0.0, "weight of the last hidden state's normalised squared error", ge=0)
+    precision: str = setting("auto", "auto (bf16 products where the device is fast in them), bf16, float32",
+                             choices=("auto", "bf16", "float32"))
+    seed: int = setting(0, "seed of the windows' order", ge=0)
+
+    @classmethod
+    def of(cls, run: "RunConfig") -> "HealConfig":
+        """A run's healing: ``heal_tokens``, ``heal_data`` and the ``heal`` options; an unknown name is refused."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"tokens", "data"}
+        unknown = sorted(set(run.heal) - names)
+        if unknown:
+            from spap_lib.errors import ParameterError
+
+            raise ParameterError(f"heal options {unknown} unknown: it takes {', '.join(sorted(names))} "
+                                 "(--heal-tokens and --heal-data are options of their own)")
+        return cls(tokens=run.heal_tokens, data=run.heal_data, **run.heal).check()
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps: the token budget in whole batches (at least one when there is a budget)."""
+        return -(-self.tokens // (self.batch * self.seqlen)) if self.tokens else 0
+
+    def check(self) -> "HealConfig":
+        from spap_lib.checks import Spec
+
+        hints = typing.get_type_hints(HealConfig)
+        for f in dataclasses.fields(self):
+            Spec.of(hints[f.name], **f.metadata["spec"]).check(f"heal {f.name}", getattr(self, f.name))
+        return self
 
 
 PAPER = RunConfig()  # the paper's settings: notebook 02's parameter cell and the plan read them here

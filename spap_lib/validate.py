@@ -33,7 +33,7 @@ from spap_lib.pipeline.blocks import AUTO, AUTO_MIN_WIDTH, is_auto, resolve_roun
 from spap_lib.pipeline.distributed import one_process
 from spap_lib.pipeline.sparsity import SparsityPlan, plan_sparsity
 from spap_lib.plan import Plan, available_host_gb, local_device, mlp_width, plan, size
-from spap_lib.settings import spec
+from spap_lib.settings import HealConfig, spec
 
 
 @dataclass
@@ -112,6 +112,7 @@ class RunRequest:
     overwrite: bool = False
     spill_dir: str | Path | None = None
     resume_dir: str | Path | None = None
+    heal: HealConfig | None = None  # a heal after the prune: priced by the plan, the model resident
 
     def __post_init__(self) -> None:  # each setting's type and range are ``RunConfig``'s
         check_values(*((name, getattr(self, name), spec(name, optional=name != "seed"))
@@ -185,7 +186,8 @@ def _check_plan(model: str, check: RunCheck, r: RunRequest, spill_root: Path) ->
         model, method=r.method, hparams=r.hparams, sparsity=r.sparsity, nsamples=r.nsamples, seqlen=r.seqlen,
         eval_seqlen=r.eval_seqlen or r.seqlen, eval_windows=r.eval_windows, device=row, device_memory_gb=memory_gb,
         round_to=check.round_to, host_memory_gb=available_host_gb() if dev.type != "cpu" else None,
-        offload=check.offload, disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=check.config)
+        offload=check.offload, disk_free_gb=shutil.disk_usage(spill_root).free / 2**30, config=check.config,
+        heal=r.heal)
     if not p.fits:
         raise _does_not_fit(p, dev, spill_root)
     check.offload = p.offload

@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "spap_lib"
 # sits between evaluation and the artifact layer, whose grid runs prunes; the entry points above may import all.
 # keys: the content digests every cache is keyed by; settings: a prune's settings, plain data
 FOUNDATION = ("errors", "checks", "files", "keys", "settings")
-LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "api", "artifact")
+LAYERS = ("numerics", "model", "methods", "pipeline", "evaluation", "heal", "api", "artifact")
 # pricing: the plan's memory and time model; run: a prune's steps, which cli and 02 both take
 ENTRY = ("validate", "plan", "pricing", "cli", "nbparams", "run")
 

@@ -80,15 +80,24 @@ def test_two_ranks_match_one_process(checkpoint, tmp_path, method):
         assert two["rel_error_final"] < two["rel_error_penalty"]  # the rounds still improved every layer
 
 
-def test_rank_outputs_load_stock(checkpoint, tmp_path):
+def test_rank_outputs_load_stock_and_a_heal_takes_one_process_steps(checkpoint, tmp_path):
+    """The ranks' checkpoint loads with stock transformers; healed after the prune (each rank a share of each batch,
+    the gradients summed), its weights are one process's, up to the order of the sums."""
     from transformers import AutoModelForCausalLM
 
-    assert _ranks(checkpoint, tmp_path / "two", "--method", "fasp").returncode == 0
+    heal = ["--method", "fasp", "--heal-tokens", "128", "--heal", '{"seqlen": 32, "batch": 2, "precision": "float32"}']
+    assert _ranks(checkpoint, tmp_path / "two", *heal).returncode == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
     assert model(torch.tensor([[1, 2, 3]])).logits.isfinite().all()
-    made_by = json.loads((tmp_path / "two" / "spap_manifest.json").read_text())["command"]
+    manifest = json.loads((tmp_path / "two" / "spap_manifest.json").read_text())
+    made_by = manifest["command"]
     assert made_by.startswith("torchrun --nproc-per-node 2 -m spap_lib.cli prune ")  # rerunnable as it was run
     assert made_by in (tmp_path / "two" / "README.md").read_text()
+    assert manifest["heal"]["steps"] == 2
+    _one(checkpoint, tmp_path / "one", *heal)
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("one", "two"))
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-3 * float(a[k].abs().max())), k
 
 
 def test_ranks_with_different_seeds_are_refused(checkpoint, tmp_path):

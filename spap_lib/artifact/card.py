@@ -136,6 +136,7 @@ def _rows(f: dict, removed: bool) -> list[str]:
         "calibration": f"WikiText-2 {cal.get('split')} ({cal.get('source')}), {cal.get('nsamples')} windows × "
                        f"{cal.get('seqlen')} tokens = {cal.get('tokens'):,} tokens, seed {cal.get('seed')}"
                        + (f", windows sha256 `{cal['sha256']}`" if cal.get("sha256") else "") if cal else None,
+        "healing": _healing(f.get("heal")),
         "perplexity": _perplexity(ppl),
         "made by": f"`{f['command']}`" if f.get("command") else None,
         "spap": f"{(f.get('versions') or {}).get('spap')}, revision `{f.get('git_revision')}`, {f.get('created')}",
@@ -151,12 +152,24 @@ def _blocks(pruned) -> str | None:
     return width_note(widths)
 
 
+def _healing(h: dict | None) -> str | None:
+    """What the heal (``spap_lib.heal``) trained on, how long and what learnt: kept apart from the evaluation."""
+    if not h:
+        return None
+    data = h.get("data") or {}
+    return (f"distilled from `{h.get('teacher')}` (KL divergence of the logits) on {h.get('tokens', 0):,} tokens of "
+            f"{data.get('source')} ({data.get('split')} split, windows of {h.get('seqlen')}, seed {h.get('seed')}); "
+            f"{h.get('train')} weights, AdamW lr {h.get('lr')}, {h.get('precision')}, {h.get('seconds', 0):.0f} s")
+
+
 def _perplexity(ppl: dict) -> str | None:
     if not ppl.get("pruned"):
         return None
     p = ppl["pruned"]
     dense = f"dense {ppl['dense']['ppl']:.2f} → " if ppl.get("dense") else ""
-    return f"WikiText-2 test, {dense}pruned {p['ppl']:.2f} ({p.get('windows')} windows of {p.get('seqlen')} tokens)"
+    healed = f"before healing {ppl['unhealed']['ppl']:.2f} → healed " if ppl.get("unhealed") else ""
+    return (f"WikiText-2 test, {dense}pruned {healed}{p['ppl']:.2f} ({p.get('windows')} windows of {p.get('seqlen')} "
+            "tokens)")
 
 
 def _loading(f: dict) -> list[str]:

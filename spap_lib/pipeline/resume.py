@@ -30,8 +30,8 @@ STATE = "state.json"
 
 
 def _ours(name: str) -> bool:
-    return name == STATE or (name.startswith((".", "layer_", "hidden_"))
-                             and name.endswith((".safetensors", ".bin", ".tmp")))
+    return name == STATE or (name.startswith((".", "layer_", "hidden_", "heal_"))
+                             and name.endswith((".safetensors", ".bin", ".pt", ".tmp")))
 
 
 def _read_state(folder: Path) -> dict | None:
