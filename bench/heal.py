@@ -43,6 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=300, help="questions per task (the first ones)")
     ap.add_argument("--batch-size", type=int, default=16, help="lm-eval's batch size")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--autograd-kl", action="store_true", help="autograd's KL term (F.kl_div of two log-softmaxes) "
+                    "instead of distill.kl_sum: the plain loop's, for its speed")
     ap.add_argument("--save", type=Path, default=None, help="keep each healed model as a checkpoint under here")
     ap.add_argument("--out", type=Path, required=True, help="the rows (.csv; a .md table beside it)")
     ap.add_argument("--figure", type=Path, default=None, help="draw perplexity and zero-shot mean against tokens")
@@ -72,14 +74,28 @@ def measure(student, a: argparse.Namespace) -> dict:
     return row
 
 
+def autograd_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The KL term as a plain loop writes it: autograd through both log-softmaxes (``--autograd-kl``)."""
+    import torch.nn.functional as F
+
+    ls = F.log_softmax(student.flatten(0, -2).float() / temperature, -1)
+    lt = F.log_softmax(teacher.flatten(0, -2).float() / temperature, -1)
+    return F.kl_div(ls, lt, log_target=True, reduction="sum") * temperature ** 2
+
+
 def main(argv=None) -> None:
     a = parse(argv)
     if a.redraw:
         return figure(pd.read_csv(a.out), a.figure)
+    if a.autograd_kl:
+        from spap_lib.heal import distill
+
+        distill.kl_sum = autograd_kl
     fields = read_checkpoint_manifest(a.checkpoint) or {}
     base = {"checkpoint": str(a.checkpoint), "checkpoint_key": source_key(sl.resolve(str(a.checkpoint))),
             "teacher": a.teacher, "eval": f"{a.eval_windows}x{a.eval_seqlen}", "tasks": " ".join(a.tasks),
-            "limit": a.limit if a.tasks else None, "code": code_digest(*_modules())}
+            "limit": a.limit if a.tasks else None, "code": code_digest(*_modules()),
+            "kl": "autograd" if a.autograd_kl else "kl_sum"}
     dense = ((fields.get("perplexity") or {}).get("dense") or {}).get("ppl")  # the checkpoint's, same protocol
     rows = pd.read_csv(a.out).to_dict("records") if a.out.is_file() else []
     teacher = sl.load(a.teacher, device=a.device)
