@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 import spap_lib as sl
+from spap_lib.artifact.checkpoint import prune_record
 from spap_lib.artifact.figures import markdown_table
 from spap_lib.artifact.manifest import device_name, git_revision, read_checkpoint_manifest
 from spap_lib.checks import scalar
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
                    **measure(student, a), "dense_ppl": dense, "device": device_name(student.device),
                    "git": git_revision()}
             if a.save and tokens:
-                sl.save(student, {**fields, **_plan(a.checkpoint), "heal": report},
+                sl.save(student, {**prune_record(a.checkpoint), "heal": report},
                         a.save / f"{label}-{tokens}", overwrite=True, healed_from=str(a.checkpoint))
             rows.append(row)
             _write(a, rows)
@@ -125,14 +126,6 @@ def _modules():
     from spap_lib.heal import data, distill, state
 
     return data, distill, state
-
-
-def _plan(checkpoint) -> dict:
-    import json
-
-    from spap_lib.artifact.manifest import PLAN
-
-    return {k: v for k, v in json.loads((Path(checkpoint) / PLAN).read_text()).items() if k != "model"}
 
 
 def _write(a: argparse.Namespace, rows: list[dict]) -> None:

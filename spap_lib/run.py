@@ -9,7 +9,6 @@ one place.
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -153,12 +152,6 @@ def healed(loaded: Loaded, teacher: str, report: dict, s: RunConfig, resume_dir:
     return report["heal"]
 
 
-# What a checkpoint's manifest records about where and how it was written, rather than what was pruned: a healed copy
-# records its own.
-_WRITTEN = ("created", "git_revision", "versions", "host", "checks", "spap_checkpoint", "card", "command",
-            "evaluations", "model")
-
-
 @dataclass
 class HealRun:
     """``spap heal CHECKPOINT --teacher SOURCE --out DIR``: a checkpoint pruned before, distilled from the dense
@@ -173,7 +166,7 @@ class HealRun:
 
     def check(self) -> tuple[HealConfig, dict]:
         """The heal's settings, its text, the checkpoint's record and the folders, before any weight is read."""
-        from spap_lib.artifact.manifest import PLAN, read_checkpoint_manifest
+        from spap_lib.artifact.checkpoint import prune_record
         from spap_lib.errors import ParameterError
         from spap_lib.heal import heal_text
 
@@ -181,8 +174,8 @@ class HealRun:
         cfg = HealConfig.of(s)
         if not cfg.tokens:
             raise ParameterError("heal_tokens is 0: give the heal a budget, e.g. --heal-tokens 262144")
-        fields = read_checkpoint_manifest(s.model) if Path(s.model).is_dir() else None
-        if fields is None:
+        report = prune_record(s.model)
+        if report is None:
             raise ParameterError(f"{s.model} is not a spap checkpoint (no spap_manifest.json): heal the folder a "
                                  "prune wrote, or prune with --heal-tokens")
         heal_text(cfg.data)
@@ -190,9 +183,6 @@ class HealRun:
         evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
         sl.check_run(s.model, device=s.device, offload="none", out_dir=self.out_dir, overwrite=self.overwrite,
                      **evals)
-        report = {k: v for k, v in fields.items() if k not in _WRITTEN}
-        plan = json.loads((Path(s.model) / PLAN).read_text())
-        report.update({k: v for k, v in plan.items() if k != "model"})
         return cfg, report
 
     def run(self, command: str) -> dict:

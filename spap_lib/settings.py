@@ -58,19 +58,26 @@ class RunConfig:
 
     def check(self) -> "RunConfig":
         """Every field against its annotation and range (``checks.Spec``); the first refusal raises."""
-        for f in dataclasses.fields(self):
-            spec(f.name).check(f.name, getattr(self, f.name))
-        return self
+        return check_fields(self)
 
 
-def spec(name: str, optional: bool = False):
-    """The ``checks.Spec`` of a ``RunConfig`` field: its type and range (``optional``: None allowed too, for a
-    setting that is not part of every run)."""
+def spec(name: str, optional: bool = False, of: type | None = None):
+    """The ``checks.Spec`` of a ``RunConfig`` field (``of``: another settings class's): its type and range
+    (``optional``: None allowed too, for a setting that is not part of every run)."""
     from spap_lib.checks import Spec
 
-    f = next(f for f in dataclasses.fields(RunConfig) if f.name == name)
-    s = Spec.of(typing.get_type_hints(RunConfig)[name], **f.metadata["spec"])
+    of = of or RunConfig
+    f = next(f for f in dataclasses.fields(of) if f.name == name)
+    s = Spec.of(typing.get_type_hints(of)[name], **f.metadata["spec"])
     return dataclasses.replace(s, optional=True) if optional else s
+
+
+def check_fields(settings, prefix: str = ""):
+    """Every field of a settings dataclass against its annotation and range; the first refusal raises, naming the
+    field (after ``prefix``)."""
+    for f in dataclasses.fields(settings):
+        spec(f.name, of=type(settings)).check(prefix + f.name, getattr(settings, f.name))
+    return settings
 
 
 @dataclass(frozen=True)
@@ -112,12 +119,7 @@ class HealConfig:
         return -(-self.tokens // (self.batch * self.seqlen)) if self.tokens else 0
 
     def check(self) -> "HealConfig":
-        from spap_lib.checks import Spec
-
-        hints = typing.get_type_hints(HealConfig)
-        for f in dataclasses.fields(self):
-            Spec.of(hints[f.name], **f.metadata["spec"]).check(f"heal {f.name}", getattr(self, f.name))
-        return self
+        return check_fields(self, "heal ")
 
 
 PAPER = RunConfig()  # the paper's settings: notebook 02's parameter cell and the plan read them here

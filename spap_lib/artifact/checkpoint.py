@@ -2,6 +2,7 @@
 reloads, the way users will load it, to the same logits; then the folder is installed atomically."""
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -192,6 +193,23 @@ def save(loaded: Loaded, report: dict, out_dir: str | Path, *, overwrite: bool =
     files = {PLAN: plan, CARD: card.render(fields)}  # the model card: README.md, the Hub's conventions
     return save_pruned(write, loaded.tokenizer, out_dir, fields, extra_files=files, overwrite=overwrite,
                        protect=protect, check=check)
+
+
+# What a checkpoint's manifest records about where and how it was written, rather than what was pruned: a copy
+# written from it (a heal) records its own.
+_WRITTEN = ("created", "git_revision", "versions", "host", "checks", "spap_checkpoint", "card", "command",
+            "evaluations", "model")
+
+
+def prune_record(folder: str | Path) -> dict | None:
+    """A saved checkpoint's prune as ``save`` takes a report: its manifest's record of the prune (method, sparsity,
+    calibration, dtypes, perplexity ...) and its plan's kept channels or layout; None for a folder spap did not
+    write."""
+    fields = read_checkpoint_manifest(folder) if Path(folder).is_dir() else None
+    if fields is None:
+        return None
+    plan = json.loads((Path(folder) / PLAN).read_text())
+    return {**{k: v for k, v in fields.items() if k not in _WRITTEN}, **{k: v for k, v in plan.items() if k != "model"}}
 
 
 def checkpoint_digests(folder: str | Path) -> dict | None:
