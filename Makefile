@@ -16,6 +16,11 @@ NBPARAMS := $(PY) -m spap_lib.nbparams
 ARGS ?=
 # make test: how many of the slowest tests it lists
 DURATIONS ?= 15
+# make test: pytest-xdist workers for tests/ (a file's tests on one worker, as its module fixtures expect), and the
+# CPU threads of each (the cores shared out: two torch pools on two cores spin against each other). The smoke
+# notebooks run first, in one process on as many threads, so tests/test_notebooks.py compares runs of the same sums.
+TEST_WORKERS ?= 2
+TEST_THREADS ?= $(shell n=$$(( $$(nproc) / $(TEST_WORKERS) )); echo $$(( n > 0 ? n : 1 )))
 
 .PHONY: setup setup-qwen setup-engines engines engines-round-to main test smoke paper offline chain ablate ablate-qwen figures gpu-check clean
 
@@ -130,8 +135,8 @@ figures: setup
 
 # Unit tests (tiny random models), the real-model test (SmolLM2-135M), notebooks via papermill, and nbval
 # on smoke copies of the notebooks (configs/smoke.yaml injected with papermill --prepare-only).
-# Each notebook executes once: nbval runs the smoke copies first (collected before tests/), in order
-# 01 -> 05 into build/smoke_run, and tests/test_notebooks.py checks what they recorded there.
+# Each notebook executes once: nbval runs the smoke copies first, in order 01 -> 05 into build/smoke_run, then
+# tests/ runs, where tests/test_notebooks.py checks what they recorded there.
 # The GGUF models' conversions (docs/scale.md: Loading a GGUF model) in build/cache: read once per checkout.
 SMOKE_NB := build/smoke_notebooks
 SMOKE_RUN := $(CURDIR)/build/smoke_run
@@ -146,8 +151,9 @@ test: setup
 		$(PAPERMILL) --prepare-only notebooks/$$nb.ipynb $(SMOKE_NB)/$$nb.ipynb -f $(SMOKE_NB)/$$nb.yaml \
 			-p run_dir $(SMOKE_RUN) || exit 1; \
 	done
-	SPAP_CACHE_DIR=$(CURDIR)/build/cache SPAP_SMOKE_RUN=$(SMOKE_RUN) $(PY) -m pytest -q --durations=$(DURATIONS) --nbval-lax \
-		$(SMOKE_NB) tests
+	export SPAP_CACHE_DIR=$(CURDIR)/build/cache SPAP_SMOKE_RUN=$(SMOKE_RUN) OMP_NUM_THREADS=$(TEST_THREADS) && \
+	$(PY) -m pytest -q -p no:xdist --nbval-lax $(SMOKE_NB) && \
+	$(PY) -m pytest -q --durations=$(DURATIONS) -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf runs

@@ -42,7 +42,7 @@ def smoke_run(tmp_path_factory) -> Path:
     """The run folder of the smoke chain 01 -> 05 (configs/smoke.yaml), each notebook executed once.
 
     Under ``make test`` (CI) nbval has already executed the smoke copies of the notebooks
-    (build/smoke_notebooks, run_dir build/smoke_run; collected before these tests) and
+    (build/smoke_notebooks, run_dir build/smoke_run; a pytest run before these tests) and
     ``SPAP_SMOKE_RUN`` names their run folder: their recorded results are checked here, not
     recomputed. Run on its own, this fixture executes the chain with papermill first.
     """
@@ -51,7 +51,7 @@ def smoke_run(tmp_path_factory) -> Path:
         run = Path(done)
         if not (run / "profile.csv").is_file():
             pytest.fail(f"SPAP_SMOKE_RUN={run} holds no results of the smoke notebooks: nbval must execute "
-                        "build/smoke_notebooks before tests/ (make test collects them first)")
+                        "build/smoke_notebooks before tests/ (make test runs them first)")
         return run
     run = tmp_path_factory.mktemp("smoke") / "run"
     for nb in CHAIN:
