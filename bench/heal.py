@@ -157,6 +157,8 @@ def figure(frame: pd.DataFrame, path: Path) -> None:
     for ax, col in zip(axes[0], panels):
         for point, rows in frame[frame["tokens"] > 0].groupby("point"):
             rows = pd.concat([none, rows]).dropna(subset=[col]).sort_values("tokens")
+            if not (rows["tokens"] > 0).any():  # a setting with no healed point in this panel: no line, no legend
+                continue
             ax.plot(rows["tokens"].clip(lower=8192), rows[col], marker="o", label=point)
         if col == "ppl" and frame["dense_ppl"].notna().any():
             ax.axhline(frame["dense_ppl"].dropna().iloc[0], color="k", ls="--", lw=1, label="dense")
