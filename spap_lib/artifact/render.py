@@ -172,11 +172,14 @@ def render_best(csv: str) -> str:
 
 def render_tokenizer_split(csv: str) -> str:
     """SmolLM2's cells with the tokenizer ``sl.load`` builds now (``csv``: configs/ablate_own_split.yaml) beside
-    results/ablation.csv's rows of the same cells, measured with transformers' build of the GGUF's tokenizer."""
+    the rows of the same cells measured with transformers' build of the GGUF's tokenizer: results/ablation.csv's, and
+    those the grid has since measured again, kept in results/ablation_transformers_split.csv."""
     own = _grid_protocol(load_rows(csv))
-    old = _grid_protocol(load_rows(Path(csv).with_name("ablation.csv")))
-    if "tokenizer" in old:  # the rows of another tokenizer only, should the grid have measured the cells again
-        old = old[~old["tokenizer"].isin(set(own["tokenizer"]))]
+    kept = Path(csv).with_name("ablation_transformers_split.csv")
+    old = pd.concat([load_rows(Path(csv).with_name("ablation.csv"))] + ([load_rows(kept)] if kept.is_file() else []))
+    old = _grid_protocol(old)
+    if "tokenizer" in old:  # the rows of another tokenizer only
+        old = old[~old["tokenizer"].fillna("").isin(set(own["tokenizer"]))]
     cell = ["model", "calib", "label", "sparsity"]
     both = own[cell + ["ppl"]].merge(old[cell + ["ppl"]], on=cell, how="left", suffixes=("_own", "_transformers"))
     both["change"] = [f"{o / t - 1:+.1%}" for o, t in zip(both["ppl_own"], both["ppl_transformers"])]
