@@ -34,11 +34,14 @@ def test_committed_headline_cells_reproduce():
     """Regression check of the committed results: the FASP 20% cell of SmolLM2 in results/ablation.csv (the grid's
     protocol; FASP is the cheapest cell that calibrates, refits and propagates) re-run now gives the recorded
     perplexity within 0.1% (float32 sums in another order, on another thread count). The dense and FASP rows record
-    the digest of the tokenizer they were calibrated and scored with: ``sl.load``'s."""
+    the digest of the tokenizer they were calibrated and scored with: ``sl.load``'s; the grid counts the rows that
+    record none (transformers' build of the GGUF's tokenizer) as stale, and measures them again."""
     import pandas as pd
 
+    from spap_lib.artifact.cells import same_tokenizer
     from spap_lib.files import REPO
     from spap_lib.keys import tokenizer_digest
+    from spap_lib.model.gguf_tokenizer import rebuilt
 
     if not (sl.data_dir() / "wikitext-2-raw-v1" / "wiki.test.raw").is_file():
         pytest.skip("WikiText-2 not in SPAP_DATA_DIR")
@@ -51,7 +54,11 @@ def test_committed_headline_cells_reproduce():
     assert cells.index.is_unique, "results/ablation.csv holds the same SmolLM2 32 x 512 cell twice"
     dense_row, fasp_row = cells.loc[("dense", 0.0)], cells.loc[("fasp", 0.2)]
     loaded = sl.load("smollm2-135m", device="cpu")
-    assert dense_row["tokenizer"] == fasp_row["tokenizer"] == tokenizer_digest(loaded.tokenizer)
+    digest = tokenizer_digest(loaded.tokenizer)
+    assert dense_row["tokenizer"] == fasp_row["tokenizer"] == digest
+    older = table[(table["model"] == "smollm2-135m") & (table["tokenizer"] == "")]
+    assert rebuilt(loaded.tokenizer) and len(older) and not same_tokenizer(older, digest, rebuilt=True).any()
+    assert same_tokenizer(grid[grid["tokenizer"] == digest], digest, rebuilt=True).all()
     ids = tokenize(loaded.tokenizer, sl.wikitext("test").text)
     windows = int(dense_row["eval_windows"])
     # the dense cell's perplexity protocol is pinned by the smoke chain (SMOKE_PPL, 0.1%); here the prune's cell
