@@ -67,6 +67,7 @@ from spap_lib.pricing import (
     RUNTIME_BYTES,
     SAVE_CHECKS,
     THROUGHPUT,
+    HealShapes,
     Job,
     Limits,
     layout,
@@ -207,6 +208,52 @@ def mlp_width(config) -> int:
     return _counts(config)["width"]
 
 
+@dataclass
+class HealPlan:
+    """``spap heal``'s plan: a heal of a checkpoint pruned before, its device memory by part and its time."""
+
+    model: str
+    device: str  # a row of throughput.json
+    memory_gb: dict[str, float]
+    seconds: float
+    device_memory_gb: float | None = None
+
+    @property
+    def peak_gb(self) -> float:
+        return sum(self.memory_gb.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.device_memory_gb is None or self.peak_gb <= self.device_memory_gb
+
+    def table(self) -> str:
+        limit = f" of {self.device_memory_gb:.0f} GB" if self.device_memory_gb else ""
+        w = max(map(len, self.memory_gb))
+        return "\n".join([f"plan: heal {self.model} on {self.device}", f"  peak device memory {self.peak_gb:8.2f} GB"
+                          f"{limit}   fits: {'yes' if self.fits else 'NO'}   time {_duration(self.seconds)}",
+                          *(f"    {k:<{w}} {v:8.2f} GB" for k, v in self.memory_gb.items())])
+
+
+def plan_heal(checkpoint: str, teacher: str, heal: HealConfig, device: str = "cpu-2core",
+              device_memory_gb: float | None = None) -> HealPlan:
+    """The heal of a pruned ``checkpoint`` from its dense ``teacher`` priced as the heal after a prune is
+    (``pricing.price_heal``), from the two configs alone: the checkpoint's kept widths (``spap_mlp_widths`` where its
+    layers differ) against the teacher's counts. A teacher of another shape is refused here, before any weight."""
+    if device not in THROUGHPUT:
+        raise ParameterError(f"unknown device {device!r} for planning: throughput.json has {', '.join(THROUGHPUT)}")
+    student, c = model_config(checkpoint), _counts(model_config(teacher))
+    widths = getattr(student, "spap_mlp_widths", None) or [mlp_width(student)] * c["layers"]
+    if (len(widths), student.hidden_size) != (c["layers"], c["hidden"]) or max(widths) > c["width"]:
+        raise ParameterError(f"the teacher {teacher} ({c['layers']} layers of {c['hidden']}, MLP width {c['width']}) "
+                             f"is not the model {checkpoint} was pruned from ({len(widths)} layers of "
+                             f"{student.hidden_size}, MLP widths up to {max(widths)}): heal from the dense model the "
+                             "checkpoint was pruned from")
+    gpu = not device.startswith("cpu")
+    seconds, memory = price_heal(heal, HealShapes(c, sum(widths)), device, 2 if gpu else 4)
+    memory = {k: v / GB for k, v in memory.items()} | ({} if gpu else {"runtime": RUNTIME_BYTES / GB})
+    return HealPlan(checkpoint, device, memory, seconds, device_memory_gb)
+
+
 def layer_shapes(config, sparsity: float, round_to: int | None = None) -> dict:
     """One layer's ``hidden``, dense ``width``, ``kept`` width and input projections, and the ``layers``: what the
     all-reduce estimate of a data-parallel prune reads (``distributed.allreduce_lines``)."""
@@ -307,7 +354,7 @@ def _plan_one(model: str, offload: str, job: Job, limits: Limits) -> Plan:
     seconds, stages = price_seconds(job, offload, lay)
     heal = {}
     if job.heal is not None:  # after the prune: its peak is its own, with the whole model on the device
-        seconds[HEALING], heal = price_heal(job, lay)
+        seconds[HEALING], heal = price_heal(job.heal, HealShapes.uniform(job.c, lay.n_keep), job.device, lay.b)
         peak_device = max(peak_device, sum(heal.values()) + (0 if lay.gpu else RUNTIME_BYTES))
         peak_host = peak_device if not lay.gpu else peak_host
     fits = (job.heal is None or offload == "none") and offload in job.algo.offloads and \

@@ -238,27 +238,41 @@ def _transfers(job: Job, offload: str, lay: _Layout, passes: float, eval_tokens:
 
 
 
-def price_heal(job: Job, lay: _Layout) -> tuple[float, dict[str, float]]:
+@dataclass(frozen=True)
+class HealShapes:
+    """What a heal's price reads: the dense teacher's counts (``plan._counts``) and the pruned student's kept MLP
+    channels, summed over its layers (one width per layer, or the widths of a per-layer allocation)."""
+
+    c: dict
+    kept: int  # MLP channels the student keeps, all layers together
+
+    @classmethod
+    def uniform(cls, c: dict, n_keep: int) -> "HealShapes":
+        return cls(c, c["layers"] * n_keep)
+
+
+def price_heal(h: HealConfig, s: HealShapes, device: str, b: int) -> tuple[float, dict[str, float]]:
     """A heal's seconds and its device bytes by part (``spap_lib.heal``: the whole pruned model on the device with
     its gradients and AdamW's two moments for what learns, the dense teacher, one batch's activations, and the two
-    models' logits with the KL term's float32 log-probabilities)."""
-    h, c = job.heal, job.c
-    d, L, V, b = c["hidden"], c["layers"], c["vocab"], lay.b
-    removed = L * (c["width"] - lay.n_keep) * c["per_channel"]
-    student, head = c["total"] - removed, V * d
-    learns = {"all": student, "mlp": L * lay.n_keep * c["per_channel"],
-              "lora": h.lora_rank * L * (8 * d + 3 * (d + lay.n_keep))}[h.train]
+    models' logits with the KL term's float32 log-probabilities), on the ``throughput.json`` row ``device`` with the
+    models' weights in ``b`` bytes a number."""
+    c = s.c
+    d, L, V = c["hidden"], c["layers"], c["vocab"]
+    student, head = c["total"] - (L * c["width"] - s.kept) * c["per_channel"], V * d
+    learns = {"all": student, "mlp": s.kept * c["per_channel"],
+              "lora": h.lora_rank * (L * 8 * d + 3 * (L * d + s.kept))}[h.train]
     tokens = h.steps * h.batch * h.seqlen
     matmul = lambda params: params - c["total"] + c["decoder"] + head  # noqa: E731 - the embedding rows are looked up
     attention = 4 * h.seqlen * d * L  # per token: scores and their weighted sum, one forward
     flops = tokens * (2 * matmul(c["total"]) + 6 * matmul(student) + 4 * attention)
-    rates = THROUGHPUT[job.device]["flops_per_second"]
-    fast = h.precision == "bf16" or (h.precision == "auto" and (lay.gpu or not bf16.rounded("cpu")))
+    rates = THROUGHPUT[device]["flops_per_second"]
+    gpu = not device.startswith("cpu")
+    fast = h.precision == "bf16" or (h.precision == "auto" and (gpu or not bf16.rounded("cpu")))
     rate = rates["matmul_bf16" if fast else "matmul_fp32"] * HEAL_ACHIEVED
     act = 2 if fast else 4
     batch = h.batch * h.seqlen
     memory = {"healing: the pruned model": student * b, "healing: gradients and AdamW state": learns * 12,
               "healing: the dense teacher": c["total"] * b,
-              "healing: one batch's activations": batch * L * (17 * d + 3 * lay.n_keep) * act,
+              "healing: one batch's activations": batch * (L * 17 * d + 3 * s.kept) * act,
               "healing: logits and the KL term": batch * V * (2 * act + 12)}
     return flops / rate, memory

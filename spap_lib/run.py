@@ -19,6 +19,7 @@ from spap_lib.model.dtypes import RunDtypes, pick_dtype, run_dtypes
 from spap_lib.model.loading import Loaded, pick_device
 from spap_lib.numerics.collective import barrier, world
 from spap_lib.pipeline import distributed
+from spap_lib.plan import HealPlan
 from spap_lib.settings import HealConfig, RunConfig
 from spap_lib.validate import RunCheck
 
@@ -163,12 +164,15 @@ class HealRun:
     out_dir: Path
     overwrite: bool = False
     resume_dir: Path | None = None
+    plan: HealPlan | None = None  # once checked
 
     def check(self) -> tuple[HealConfig, dict]:
-        """The heal's settings, its text, the checkpoint's record and the folders, before any weight is read."""
+        """The heal's settings, its text, the checkpoint's record, the folders and its plan (``plan.plan_heal``: the
+        memory on this device, refused where it does not fit), before any weight is read."""
         from spap_lib.artifact.checkpoint import prune_record
         from spap_lib.errors import ParameterError
         from spap_lib.heal import heal_text
+        from spap_lib.plan import local_device, plan_heal
 
         s = self.settings
         cfg = HealConfig.of(s)
@@ -183,6 +187,12 @@ class HealRun:
         evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
         sl.check_run(s.model, device=s.device, offload="none", out_dir=self.out_dir, overwrite=self.overwrite,
                      **evals)
+        row, memory = local_device(pick_device(s.device))
+        self.plan = plan_heal(s.model, self.teacher, cfg, row, memory)
+        if not self.plan.fits:
+            raise ParameterError(f"{self.plan.table()}\nthe heal does not fit in this device's {memory:.1f} GB: train "
+                                 "fewer weights (--heal '{\"train\": \"lora\"}' or \"mlp\": less gradient and AdamW "
+                                 "state), a smaller heal batch or seqlen, or a device with more memory")
         return cfg, report
 
     def run(self, command: str) -> dict:
@@ -192,6 +202,7 @@ class HealRun:
 
         s = self.settings
         _, report = self.check()
+        print(self.plan.table(), flush=True)
         student = sl.load(s.model, device=s.device)
         healed(student, self.teacher, report, s, self.resume_dir, saved_dtype(report) or student.model.dtype)
         sl.save(student, report, self.out_dir, overwrite=self.overwrite, command=command, healed_from=s.model)

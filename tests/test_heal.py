@@ -160,7 +160,9 @@ def test_spap_prune_heals_and_spap_heal_heals_a_saved_checkpoint(checkpoint, tmp
 
     assert main(["heal", str(out), "--teacher", str(checkpoint), "--out", str(healed), "--heal-tokens", "96",
                  *common]) == 0
-    result = json.loads(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"plan: heal {out} on cpu-2core")  # the plan first, before any weight is read
+    result = json.loads(printed[printed.index("\n{\n") + 1:])
     assert result["heal"]["steps"] == 2 and result["method"] == "magnitude"
     assert result["perplexity"]["unhealed"]["ppl"] == manifest["perplexity"]["pruned"]["ppl"]
     record = json.loads((healed / "spap_manifest.json").read_text())
@@ -184,6 +186,36 @@ def test_the_plan_prices_a_heal_and_refuses_it_offloaded(capsys):
     assert mlp.heal_gb["healing: gradients and AdamW state"] < p.heal_gb["healing: gradients and AdamW state"]
     assert main(["plan", "smollm2-135m", "--heal-tokens", "262144"]) == 0
     assert "healing after the prune" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda_sp/allocation=global"])
+def test_spap_heal_plans_from_the_checkpoint_and_refuses_what_does_not_fit(method, checkpoint, windows, tmp_path,
+                                                                            capsys, monkeypatch):
+    """``spap heal``'s plan prices the checkpoint's own widths (one per layer where the allocation made them
+    differ): its pruned-model part is the checkpoint's parameters, exactly. A teacher of another shape and a heal
+    larger than the device are refused before any weight is read."""
+    from spap_lib import plan as planning
+    from spap_lib.cli import main
+
+    loaded = sl.load(str(checkpoint), device="cpu")
+    sl.save(loaded, sl.prune(loaded, calibration(windows), method, 0.3, progress=False), tmp_path / "p")
+    widths = [loaded.adapter.width(layer) for layer in loaded.adapter.layers()]
+    assert (len(set(widths)) > 1) == (method != "magnitude")
+    heal = HealConfig(tokens=4096, seqlen=16, train="mlp")
+    p = planning.plan_heal(str(tmp_path / "p"), str(checkpoint), heal)
+    params = sum(t.numel() for t in loaded.model.parameters())  # a tied head once
+    assert p.memory_gb["healing: the pruned model"] * 2**30 == 4 * params
+    mlps = sum(t.numel() for n, t in loaded.model.named_parameters() if ".mlp." in n)
+    assert p.memory_gb["healing: gradients and AdamW state"] * 2**30 == 12 * mlps
+    with pytest.raises(ParameterError, match="is not the model .* was pruned from"):
+        planning.plan_heal(str(checkpoint), str(tmp_path / "p"), heal)  # dense and pruned swapped
+
+    monkeypatch.setattr(planning, "local_device", lambda device: ("cpu-2core", p.peak_gb / 2))
+    monkeypatch.setattr(sl, "load", lambda *a, **k: pytest.fail("a weight was read"))
+    assert main(["heal", str(tmp_path / "p"), "--teacher", str(checkpoint), "--out", str(tmp_path / "h"),
+                 "--heal-tokens", "4096", "--heal", '{"seqlen": 16, "train": "mlp"}', "--no-eval"]) == 2
+    err = capsys.readouterr().err
+    assert "healing: gradients and AdamW state" in err and "does not fit" in err and "lora" in err
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])

@@ -31,7 +31,9 @@ def heal(student: Loaded, teacher: Loaded, cfg: HealConfig, *, resume_dir: Path 
         raise ParameterError(f"the teacher {teacher.source.name} splits text into other ids than the pruned model: "
                              "heal from the dense model the checkpoint was pruned from")
     windows = heal_windows(student.tokenizer, heal_text(cfg.data), cfg.seqlen, cfg.seed)
-    fingerprint = {"student": weights_digest(student.model), "teacher": source_key(teacher.source)}
+    # the student's weights are hashed only for a resume point, which must continue a heal of these weights
+    fingerprint = {"student": weights_digest(student.model) if resume_dir is not None else None,
+                   "teacher": source_key(teacher.source)}
     teacher.model.eval().requires_grad_(False)
     report = kd.distill(student, teacher.model, windows, cfg, resume_dir=resume_dir, fingerprint=fingerprint,
                      progress=progress)
