@@ -105,6 +105,29 @@ def test_rows_of_different_settings_never_show_as_one_number(table_csv, tmp_path
         figures.exact_labels = real
 
 
+def test_rows_without_a_tokenizer_beside_rows_with_one_are_another_protocol(table_csv, tmp_path):
+    """A grid partly measured again with another split of the text: the rows that record no tokenizer digest, where
+    rows of their model and calibration size record one, are shown apart (``calib`` marked) and never ranked against
+    the others; where no row records one, nothing is marked."""
+    from spap_lib.artifact.figures import UNRECORDED, best_compositions
+
+    frame = read(table_csv, ABLATION, keep_default_na=False)
+    assert frame["tokenizer"].ne("").all()  # the grid records the digest of the ids it measured
+    older = frame[frame["label"] == "magnitude"].assign(label="spap", method="spap", hparams="{}", resolved_hparams="",
+                                                        tokenizer="", ppl=1.0)
+    path = tmp_path / "mixed.csv"
+    add_rows(path, pd.concat([frame, older]), KEY, ABLATION)
+    rows = load_rows(path)
+    assert sorted(set(rows["calib"])) == ["4×24", "4×24" + UNRECORDED]
+    assert set(rows.loc[rows["calib"] == "4×24" + UNRECORDED, "label"]) == {"spap"}
+    assert set(headline(path).reset_index()["calib"]) == {"4×24", "4×24" + UNRECORDED}
+    best = best_compositions(path)
+    assert not (best["ppl"] == 1.0).any()  # the unrecorded rows' 1.0 never beats the recorded baseline
+    unrecorded = tmp_path / "unrecorded.csv"
+    add_rows(unrecorded, pd.concat([frame, older]).assign(tokenizer=""), KEY, ABLATION)
+    assert set(load_rows(unrecorded)["calib"]) == {"4×24"}
+
+
 def test_figures_and_tables_come_from_any_valid_table_whatever_its_size(table_csv, tmp_path):
     """One model, one method: every block of the results pages and Figure 2 render."""
     from spap_lib.artifact.figure2 import figure2

@@ -91,16 +91,32 @@ def exact_labels(table: pd.DataFrame) -> pd.DataFrame:
     return table.assign(label=[label(row) for _, row in table.iterrows()])
 
 
+UNRECORDED = ", ids unrecorded"  # ``calib``'s mark of the rows that record no tokenizer beside rows that do
+
+
 def _protocol(table: pd.DataFrame) -> pd.DataFrame:
     """``eval_windows`` as an int (-1: the whole test split; 40 where a table lacks the column) and
-    ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it) and its seed where it is
-    not 0: cells that differ in either are different measurements and never averaged together."""
+    ``calib``, the calibration size ``nsamples×seqlen`` ("" where a table lacks it), its seed where it is
+    not 0 and ``UNRECORDED`` where the row records no tokenizer digest while rows of its model and calibration
+    size record one (``_unrecorded``): cells that differ in any are different measurements, never averaged
+    together and never ranked against each other."""
     windows = table["eval_windows"] if "eval_windows" in table else pd.Series(40, index=table.index)
     seeds = table["seed"] if "seed" in table else pd.Series(0, index=table.index)
     calib = ([f"{n}×{s}" + (f" seed {int(seed)}" if int(seed or 0) else "")
               for n, s, seed in zip(table["nsamples"], table["seqlen"], seeds)]
              if {"nsamples", "seqlen"} <= set(table.columns) else "")
-    return table.assign(eval_windows=pd.to_numeric(windows).astype(int), calib=calib)
+    return table.assign(eval_windows=pd.to_numeric(windows).astype(int), calib=_unrecorded(table, calib))
+
+
+def _unrecorded(table: pd.DataFrame, calib: list[str] | str) -> list[str] | str:
+    """``calib`` marked where a row records no tokenizer digest beside rows of the same model and calibration size
+    that record one: its ids came from another split of the text (SmolLM2's rows of transformers' build of its GGUF
+    tokenizer, results/README.md), so a partly remeasured grid never compares the two kinds of rows."""
+    if "tokenizer" not in table or isinstance(calib, str):
+        return calib
+    recorded = table["tokenizer"].fillna("").astype(str).ne("")
+    some = recorded.groupby([table["model"].to_numpy(), calib]).transform("any")
+    return [c + UNRECORDED if others and not own else c for c, others, own in zip(calib, some, recorded)]
 
 
 def headline(results_csv: str | Path, eval_seqlen: int | None = None) -> pd.DataFrame:
