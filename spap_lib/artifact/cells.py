@@ -63,7 +63,8 @@ class Eval:
         stray = set(spec.get("labels") or ()) - {"dense", *(labels or ())}
         if labels is not None and stray:
             raise ParameterError(f"extra evaluation {spec!r} names {sorted(stray)}, which the grid does not run "
-                             f"(its labels: dense, {', '.join(labels)})")
+                             f"(its labels: dense, {', '.join(labels)}): add them to methods, or give extra_evals "
+                             "without them (a file that narrows methods, -f cells.yaml, sets extra_evals: [])")
         odd = [x for x in spec.get("sparsities") or () if sparsities is not None
                and not any(abs(float(x) - y) < 1e-9 for y in sparsities)]
         if odd:
