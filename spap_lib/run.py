@@ -46,10 +46,10 @@ class PruneRun:
         s = self.settings
         evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
         heal = HealConfig.of(s)
-        if heal.tokens:
-            from spap_lib.heal import heal_text
+        if heal.tokens and heal.data is not None:  # the default text is the calibration's, checked with it
+            from spap_lib.heal import check_heal_data
 
-            heal_text(heal.data)  # a missing file, or the test split, before anything else
+            check_heal_data(heal.data)  # a missing file, or the test split, before anything else
         self.job = sl.check_run(
             s.model, method=s.method, sparsity=s.sparsity, hparams=s.hparams, nsamples=s.nsamples, seqlen=s.seqlen,
             seed=s.seed, round_to=s.round_to, propagate=s.propagate, device=s.device, out_dir=self.out_dir,
@@ -171,7 +171,7 @@ class HealRun:
         memory on this device, refused where it does not fit), before any weight is read."""
         from spap_lib.artifact.checkpoint import prune_record
         from spap_lib.errors import ParameterError
-        from spap_lib.heal import heal_text
+        from spap_lib.heal import check_heal_data
         from spap_lib.plan import local_device, plan_heal
 
         s = self.settings
@@ -182,7 +182,7 @@ class HealRun:
         if report is None:
             raise ParameterError(f"{s.model} is not a spap checkpoint (no spap_manifest.json): heal the folder a "
                                  "prune wrote, or prune with --heal-tokens")
-        heal_text(cfg.data)
+        check_heal_data(cfg.data)
         sl.resolve(self.teacher)
         evals = {"eval_seqlen": s.eval_seqlen, "eval_windows": s.eval_windows} if s.evaluate else {}
         sl.check_run(s.model, device=s.device, offload="none", out_dir=self.out_dir, overwrite=self.overwrite,

@@ -170,6 +170,9 @@ def test_spap_prune_heals_and_spap_heal_heals_a_saved_checkpoint(checkpoint, tmp
     AutoModelForCausalLM.from_pretrained(healed)  # stock transformers
     assert main(["heal", str(checkpoint), "--teacher", str(checkpoint), "--out", str(tmp_path / "x")]) == 2
     assert "not a spap checkpoint" in capsys.readouterr().err
+    assert main(["prune", str(checkpoint), "--method", "magnitude", "--sparsity", "0.25", "--out", str(tmp_path / "y"),
+                 "--heal-tokens", "96", "--heal-data", str(tmp_path / "missing.txt")]) == 2  # before any weight
+    assert "missing.txt is not a file" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_the_plan_prices_a_heal_and_refuses_it_offloaded(capsys):

@@ -97,9 +97,6 @@ class Protocols:
 DENSE = Variant("dense", "dense", {})
 
 
-DENSE = Variant("dense", "dense", {})
-
-
 def resolved(method: str, hparams: dict) -> str:
     """Every hyperparameter the cell ran with, defaults included (``hparams`` holds the overrides only): a
     row stays exact when a default changes later, and the grid can tell that it is stale."""

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from spap_lib.errors import ParameterError
 from spap_lib.heal import distill as kd
-from spap_lib.heal.data import HealWindows, heal_text, heal_windows
+from spap_lib.heal.data import HealWindows, check_heal_data, heal_text, heal_windows
 from spap_lib.heal.state import clear as clear_state
 from spap_lib.heal.state import weights_digest
 from spap_lib.keys import source_key, tokenizer_digest
 from spap_lib.model.loading import Loaded
 from spap_lib.settings import HealConfig
 
-__all__ = ["HealConfig", "HealWindows", "clear_state", "heal", "heal_text", "heal_windows"]
+__all__ = ["HealConfig", "HealWindows", "check_heal_data", "clear_state", "heal", "heal_text", "heal_windows"]
 
 
 def heal(student: Loaded, teacher: Loaded, cfg: HealConfig, *, resume_dir: Path | None = None,

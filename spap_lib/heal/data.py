@@ -14,7 +14,16 @@ from pathlib import Path
 import torch
 
 from spap_lib.errors import ParameterError
-from spap_lib.evaluation.data import SPLIT_FILES, WIKITEXT, Text, calibration_text, data_dir, read_raw, tokenize
+from spap_lib.evaluation.data import (
+    SPLIT_FILES,
+    WIKITEXT,
+    Text,
+    calibration_text,
+    check_available,
+    data_dir,
+    read_raw,
+    tokenize,
+)
 from spap_lib.keys import sha256_of
 
 
@@ -49,19 +58,30 @@ class HealWindows:
                 "seed": self.seed}
 
 
-def heal_text(path: str | None) -> Text:
-    """The named file (refused if it is the evaluation's test split), else the calibration's text."""
+def check_heal_data(path: str | None) -> Path | None:
+    """Before any weight is read: the named file exists and is not the evaluation's test split; for the default,
+    that the calibration's text is there (``check_available``). Returns the named file."""
     if path is None:
-        return calibration_text()
+        check_available(calibration=True, evaluation=False)
+        return None
     file = Path(path).expanduser()
     if not file.is_file():
         raise ParameterError(f"heal data {path} is not a file: name a UTF-8 text file, or leave it unset for "
                              "WikiText-2 (train, else validation)")
-    digest, test = sha256_of(file), data_dir() / WIKITEXT / SPLIT_FILES["test"]
-    if file.name == SPLIT_FILES["test"] or (test.is_file() and sha256_of(test) == digest):
+    test = data_dir() / WIKITEXT / SPLIT_FILES["test"]
+    if file.name == SPLIT_FILES["test"] or (test.is_file() and test.stat().st_size == file.stat().st_size
+                                            and sha256_of(test) == sha256_of(file)):
         raise ParameterError(f"heal data {path} is WikiText-2's test split, which the perplexity is measured on: "
                              "heal on another text (the default is the train split, else validation)")
-    return Text("".join(read_raw(file)), "file", f"file:{file.name} sha256:{digest[:16]}")
+    return file
+
+
+def heal_text(path: str | None) -> Text:
+    """The named file (refused if it is the evaluation's test split), else the calibration's text."""
+    if path is None:
+        return calibration_text()  # its own error names where it looked
+    file = check_heal_data(path)
+    return Text("".join(read_raw(file)), "file", f"file:{file.name} sha256:{sha256_of(file)[:16]}")
 
 
 def heal_windows(tokenizer, text: Text, seqlen: int, seed: int) -> HealWindows:
