@@ -140,7 +140,7 @@ def _words(tmp_path, n: int = 2000):
     return path
 
 
-def test_spap_prune_heals_and_spap_heal_heals_a_saved_checkpoint(checkpoint, tmp_path, capsys):
+def test_spap_prune_heals_and_spap_heal_heals_a_saved_checkpoint(checkpoint, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from spap_lib.cli import main
@@ -170,8 +170,9 @@ def test_spap_prune_heals_and_spap_heal_heals_a_saved_checkpoint(checkpoint, tmp
     AutoModelForCausalLM.from_pretrained(healed)  # stock transformers
     assert main(["heal", str(checkpoint), "--teacher", str(checkpoint), "--out", str(tmp_path / "x")]) == 2
     assert "not a spap checkpoint" in capsys.readouterr().err
+    monkeypatch.setattr(sl, "load", lambda *a, **k: pytest.fail("a model was read before the heal text was checked"))
     assert main(["prune", str(checkpoint), "--method", "magnitude", "--sparsity", "0.25", "--out", str(tmp_path / "y"),
-                 "--heal-tokens", "96", "--heal-data", str(tmp_path / "missing.txt")]) == 2  # before any weight
+                 "--heal-tokens", "96", "--heal-data", str(tmp_path / "missing.txt")]) == 2
     assert "missing.txt is not a file" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
