@@ -109,8 +109,8 @@ def test_a_resumed_heal_ends_with_the_uninterrupted_weights(text, byte_tokenizer
 def test_the_test_split_is_never_read_nor_healed_on(byte_tokenizer, tmp_path, monkeypatch):
     from spap_lib.evaluation import data
 
-    read, raw = [], data.read_raw
-    monkeypatch.setattr(data, "read_raw", lambda path: read.append(path.name) or raw(path))
+    read, raw = [], data.read_raw_digest  # every read of a WikiText-2 file or a named text goes through it
+    monkeypatch.setattr(data, "read_raw_digest", lambda path: read.append(path.name) or raw(path))
     student, teacher, _ = _pair(byte_tokenizer)
     report = heal(student, teacher, HealConfig(tokens=64, seqlen=32, batch=2), progress=False)
     assert report["data"]["split"] == "validation" and read == [SPLIT_FILES["validation"]]  # no train split here

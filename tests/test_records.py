@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 from test_cli import TINY
 from test_entry_points import refused, spap
 
-from spap_lib.artifact import card
+from spap_lib.artifact import card, manifest
 from spap_lib.artifact.checkpoint import add_evaluation, checkpoint_digests
 from spap_lib.artifact.manifest import MANIFEST
 from spap_lib.artifact.table import add_rows, read
@@ -236,3 +237,23 @@ def _no_leftover_processes():
     yield
     for child in multiprocessing.active_children():
         child.terminate()
+
+
+def test_the_revision_is_dirty_for_code_changes_and_not_for_the_tables_a_run_writes(tmp_path, monkeypatch):
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    for name in ("spap_lib/x.py", "results/ablation.csv", "figures/f.png", "bench/results/b.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    monkeypatch.setattr(manifest, "REPO", tmp_path)
+    clean = manifest.git_revision()
+    assert clean and not clean.endswith("+dirty")
+    for name in ("results/ablation.csv", "figures/f.png", "bench/results/b.md"):  # what a grid or bench writes
+        (tmp_path / name).write_text("1\n")
+    assert manifest.git_revision() == clean
+    (tmp_path / "spap_lib/x.py").write_text("1\n")  # code that differs from the commit
+    assert manifest.git_revision() == clean + "+dirty"

@@ -114,11 +114,18 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
 # -- manifests ----------------------------------------------------------------------------------
 
 
+# What runs write into the checkout (tables, figures, benchmark records): a grid that has written its first row
+# still runs the committed code, so these leave the revision clean.
+OUTPUTS = ("results", "figures", "bench/results")
+
+
 def git_revision() -> str | None:
+    """HEAD, with ``+dirty`` where a tracked file other than the outputs differs from it."""
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                *(f":(exclude){p}" for p in OUTPUTS)],
                                capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

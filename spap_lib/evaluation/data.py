@@ -17,7 +17,6 @@ import torch
 
 from spap_lib.errors import ParameterError, SourceError
 from spap_lib.files import REPO
-from spap_lib.keys import sha256_of
 
 WIKITEXT = "wikitext-2-raw-v1"
 HUB_DATASET = "Salesforce/wikitext"  # where the hub's ``wikitext`` lives: parquet files, one folder per config
@@ -36,6 +35,12 @@ def data_dir() -> Path:
 def read_raw(path: Path) -> list[str]:
     """Rows of a ``wiki.*.raw`` file exactly as the HF dataset has them (blank lines → ""); a file that is not
     UTF-8 text is refused, naming where."""
+    return read_raw_digest(path)[0]
+
+
+def read_raw_digest(path: Path) -> tuple[list[str], str]:
+    """``read_raw``'s rows and the SHA-256 of the bytes they came from: one read, so the digest a result records
+    is that of the text it used, even if the file changes meanwhile."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -44,7 +49,8 @@ def read_raw(path: Path) -> list[str]:
         raise SourceError(f"{path} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}, line "
                           f"{line}), as WikiText-2 raw is: the file is damaged or another file; copy it again "
                           "(data/README.md)") from None
-    return [line if line.strip() else "" for line in text.splitlines(keepends=True)]
+    rows = [line if line.strip() else "" for line in text.splitlines(keepends=True)]
+    return rows, hashlib.sha256(data).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,8 @@ def wikitext(split: str) -> Text:
     the committed results do), else from the hub cache or the hub."""
     local = data_dir() / WIKITEXT / SPLIT_FILES[split]
     if local.is_file():
-        digest = sha256_of(local)[:16]
-        return Text("\n\n".join(read_raw(local)), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest}")
+        rows, digest = read_raw_digest(local)
+        return Text("\n\n".join(rows), split, f"local:{WIKITEXT}/{SPLIT_FILES[split]} sha256:{digest[:16]}")
     if _holds_wikitext():  # the data directory is the source: a split it lacks is not fetched elsewhere
         raise _not_found(split)
     from datasets import load_dataset

@@ -21,7 +21,7 @@ from spap_lib.evaluation.data import (
     calibration_text,
     check_available,
     data_dir,
-    read_raw,
+    read_raw_digest,
     tokenize,
 )
 from spap_lib.keys import sha256_of
@@ -81,7 +81,8 @@ def heal_text(path: str | None) -> Text:
     if path is None:
         return calibration_text()  # its own error names where it looked
     file = check_heal_data(path)
-    return Text("".join(read_raw(file)), "file", f"file:{file.name} sha256:{sha256_of(file)[:16]}")
+    rows, digest = read_raw_digest(file)
+    return Text("".join(rows), "file", f"file:{file.name} sha256:{digest[:16]}")
 
 
 def heal_windows(tokenizer, text: Text, seqlen: int, seed: int) -> HealWindows:
