@@ -104,7 +104,7 @@ def main(argv=None) -> None:
         for tokens in a.tokens:
             label = ",".join(f"{k}={v}" for k, v in point.items()) or "defaults"
             key = {**base, "point": label if tokens else "none", "tokens": tokens}
-            if any(all(str(r.get(k)) == str(v) for k, v in key.items()) for r in rows):
+            if any(all(_same(r.get(k), v) for k, v in key.items()) for r in rows):
                 continue
             student = sl.load(str(a.checkpoint), device=a.device)
             started = time.process_time()
@@ -122,6 +122,17 @@ def main(argv=None) -> None:
             print({k: row[k] for k in ("point", "tokens", "seconds", "ppl")}, flush=True)
 
 
+def _same(read, value) -> bool:
+    """A key's value as read back from the table against the run's: a column with empty cells reads its integers
+    back as floats (300 as 300.0), and an empty cell as NaN where the run has None or ""."""
+    empty = value is None or (isinstance(value, str) and not value)
+    if empty or pd.isna(read):
+        return empty and pd.isna(read)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return isinstance(read, (int, float)) and float(read) == float(value)
+    return str(read) == str(value)
+
+
 def _modules():
     from spap_lib.heal import data, distill, state
 
@@ -132,7 +143,7 @@ def _write(a: argparse.Namespace, rows: list[dict]) -> None:
     frame = pd.DataFrame(rows)
     write_csv_atomic(a.out, frame)
     shown = [c for c in ("point", "tokens", "seconds", "tokens_per_s", "ppl", "acc_arc_easy", "acc_piqa",
-                         "acc_winogrande", "acc_mean") if c in frame]
+                         "acc_winogrande", "acc_mean", "device") if c in frame]
     cmd = "python bench/heal.py " + " ".join(os.sys.argv[1:])
     write_text_atomic(a.out.with_suffix(".md"), f"# Healing\n\nCommand: `{cmd}`  \nDevice: "
                       f"{frame['device'].iloc[-1]}; torch {torch.__version__}.\n\n"
@@ -143,7 +154,10 @@ def _write(a: argparse.Namespace, rows: list[dict]) -> None:
 
 def figure(frame: pd.DataFrame, path: Path) -> None:
     """Perplexity (and, where measured, the zero-shot mean) against healing tokens, one line per setting, the dense
-    model's perplexity as a horizontal line; budget 0 drawn at the left edge."""
+    model's perplexity as a horizontal line; budget 0 drawn at the left edge. Only the rows of the newest row's code
+    and device are drawn: a line never joins two versions of the heal or two CPUs (the table keeps them all)."""
+    last = frame.iloc[-1]
+    frame = frame[(frame["code"] == last["code"]) & (frame["device"] == last["device"])]
     import matplotlib
 
     matplotlib.use("Agg")

@@ -91,7 +91,7 @@ class HealConfig:
     data: str | None = setting(None, "a UTF-8 text file; default WikiText-2 train, else validation")
     seqlen: int = setting(512, "tokens per window", ge=2)
     batch: int = setting(1, "windows per optimizer step", ge=1)
-    lr: float = setting(1e-4, "AdamW's peak learning rate", gt=0, le=1)
+    lr: float = setting(3e-4, "AdamW's peak learning rate (docs/heal.md: the rates measured)", gt=0, le=1)
     warmup: float = setting(0.05, "share of the steps spent warming the learning rate up", ge=0, lt=1)
     train: str = setting("all", "which weights learn: all, mlp, lora", choices=("all", "mlp", "lora"))
     lora_rank: int = setting(16, "rank of the LoRA adapters (train lora)", ge=1)

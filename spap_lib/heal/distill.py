@@ -26,7 +26,8 @@ from spap_lib.pipeline.distributed import share
 from spap_lib.settings import HealConfig
 
 CLIP = 1.0  # gradient norm: a short heal at a high learning rate must not be thrown off by one batch
-CHUNK = 1024  # tokens per slice of the KL term's float32 log-probabilities
+CHUNK = 1024  # tokens per slice of the KL term's float32 log-probabilities on a GPU
+ROWS = 32  # on a CPU: a slice of this many rows of the vocabulary stays in the cache through its passes
 SAVE_SECONDS = 120.0  # the resume point is written at most this often (and after the last step)
 
 
@@ -61,19 +62,24 @@ def learners(loaded: Loaded, cfg: HealConfig) -> tuple[torch.nn.Module, dict[str
 class _KL(torch.autograd.Function):
     """Σ over rows of KL(softmax(t/T) ‖ softmax(s/T)) × T², with its gradient ``T·(softmax(s/T) − softmax(t/T))``
     written out in the forward, a slice of rows at a time: one tensor of the logits' size kept for the backward, in
-    their dtype, where autograd would keep the float32 log-probabilities of both and replay their chain."""
+    their dtype, where autograd would keep the float32 log-probabilities of both and replay their chain. The slices
+    are a few rows of the vocabulary each, so that their float32 temporaries stay in the CPU's cache (and are
+    reused by the allocator) across the several passes each slice takes."""
 
     @staticmethod
     def forward(ctx, student, teacher, temperature):
         s, t = student.flatten(0, -2), teacher.flatten(0, -2)
         grad = torch.empty_like(s)
         total = torch.zeros((), dtype=torch.float32, device=s.device)
-        for i in range(0, s.shape[0], CHUNK):
-            ls = F.log_softmax(s[i:i + CHUNK].float() / temperature, -1)
-            lt = F.log_softmax(t[i:i + CHUNK].float() / temperature, -1)
+        rows = ROWS if s.device.type == "cpu" else CHUNK
+        for i in range(0, s.shape[0], rows):
+            ls, lt = s[i:i + rows].float(), t[i:i + rows].float()
+            if temperature != 1:
+                ls, lt = ls.div_(temperature), lt.div_(temperature)
+            ls, lt = F.log_softmax(ls, -1), F.log_softmax(lt, -1)
             pt = lt.exp()
-            total += (pt * (lt - ls)).sum()
-            grad[i:i + CHUNK] = (ls.exp_().sub_(pt)).mul_(temperature)
+            total += lt.sub_(ls).mul_(pt).sum()  # Σ p_t (log p_t − log p_s)
+            grad[i:i + rows] = ls.exp_().sub_(pt).mul_(temperature)
         ctx.save_for_backward(grad)
         ctx.shape = student.shape
         return total * temperature ** 2
@@ -104,7 +110,9 @@ def _loss(model, teacher, ids: torch.Tensor, cfg: HealConfig) -> torch.Tensor:
 def _optimizer(params: list, cfg: HealConfig):
     from transformers import get_cosine_schedule_with_warmup
 
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # the fused kernel: one pass over each weight's state, where the loop of foreach kernels takes several
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused or None)
     return opt, get_cosine_schedule_with_warmup(opt, round(cfg.warmup * cfg.steps), cfg.steps)
 
 
