@@ -62,9 +62,9 @@ def learners(loaded: Loaded, cfg: HealConfig) -> tuple[torch.nn.Module, dict[str
 class _KL(torch.autograd.Function):
     """Σ over rows of KL(softmax(t/T) ‖ softmax(s/T)) × T², with its gradient ``T·(softmax(s/T) − softmax(t/T))``
     written out in the forward, a slice of rows at a time: one tensor of the logits' size kept for the backward, in
-    their dtype, where autograd would keep the float32 log-probabilities of both and replay their chain. The slices
-    are a few rows of the vocabulary each, so that their float32 temporaries stay in the CPU's cache (and are
-    reused by the allocator) across the several passes each slice takes."""
+    their dtype, where autograd would keep the float32 log-probabilities of both and replay their chain. On a CPU a
+    slice is a few rows (``ROWS``), so that its float32 temporaries stay in the cache (and are reused by the
+    allocator) across the several passes it takes; on a GPU, ``CHUNK`` rows, few enough kernel launches."""
 
     @staticmethod
     def forward(ctx, student, teacher, temperature):
